@@ -1,0 +1,78 @@
+// Shared device helpers for every zerokv kernel.
+//
+// No CUDA headers are included: 16-bit floats are carried as raw bits and converted
+// with single PTX instructions, so NVRTC compiles these sources without cuda_fp16.h /
+// cuda_bf16.h on any machine (CI included), and a compile takes a fraction of a second.
+#pragma once
+
+typedef long long i64;
+
+struct zk_half { unsigned short bits; };
+struct zk_bfloat16 { unsigned short bits; };
+struct zk_fp8_e4m3 { unsigned char bits; };
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(zk_half x) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+  return f;
+}
+__device__ __forceinline__ float to_float(zk_bfloat16 x) {
+  return __uint_as_float(((unsigned int)x.bits) << 16);
+}
+
+template <typename T> __device__ __forceinline__ T from_float(float f);
+template <> __device__ __forceinline__ float from_float<float>(float f) { return f; }
+template <> __device__ __forceinline__ zk_half from_float<zk_half>(float f) {
+  zk_half h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+  return h;
+}
+template <> __device__ __forceinline__ zk_bfloat16 from_float<zk_bfloat16>(float f) {
+  zk_bfloat16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
+  return h;
+}
+// e4m3 with saturation to +-448 (NaN stays NaN), as engines' fp8 outputs expect.
+template <> __device__ __forceinline__ zk_fp8_e4m3 from_float<zk_fp8_e4m3>(float f) {
+  unsigned short pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(f));
+  zk_fp8_e4m3 r;
+  r.bits = (unsigned char)(pair & 0xff);
+  return r;
+}
+
+// VEC consecutive elements moved as one aligned access (16 bytes for the widest input).
+template <typename T, int VEC>
+struct __align__(sizeof(T) * VEC) Pack {
+  T v[VEC];
+};
+
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, VEC>*>(p);
+}
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, VEC>& x) {
+  *reinterpret_cast<Pack<T, VEC>*>(p) = x;
+}
+
+// Offsets (cu_seqlens, kv_lens) come as int32 or int64; all index math is 64-bit.
+__device__ __forceinline__ i64 load_index(const void* p, int is64, i64 i) {
+  return is64 ? static_cast<const i64*>(p)[i] : (i64) static_cast<const int*>(p)[i];
+}
+
+// Request r with cu[r] <= t < cu[r + 1] (cu has B + 1 non-decreasing entries).
+__device__ __forceinline__ i64 find_request(const void* cu, int is64, i64 B, i64 t) {
+  i64 lo = 0, hi = B;  // invariant: cu[lo] <= t < cu[hi]
+  while (hi - lo > 1) {
+    i64 mid = (lo + hi) >> 1;
+    if (load_index(cu, is64, mid) <= t) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+__device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff); }
+// An LSE of -inf or +inf marks an empty state (FA2 writes +inf for empty rows).
+__device__ __forceinline__ bool is_empty_lse(float s) { return fabsf(s) == __int_as_float(0x7f800000); }

@@ -1,0 +1,170 @@
+// Merging partial attention states (V, LSE) by their log-sum-exp.
+//
+//   m = max(s_a, s_b);  w_x = base^(s_x - m);  V = (w_a V_a + w_b V_b) / (w_a + w_b)
+//   S = m + log_base(w_a + w_b)
+//
+// Empty rule: an LSE of -inf or +inf gives weight 0 and that input's V is never read (it may
+// hold NaN/Inf scratch); two empty inputs give (0, -inf). NaN in an LSE propagates to the row.
+#include "common.cuh"
+
+// Per-row coefficients: out = bias + ca * V_a + cb * V_b, and the row's output LSE.
+struct RowCoef {
+  float ca, cb, bias, lse;
+};
+
+// Combine two LSEs; k = log2(base), inv_k = 1 / k.
+__device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float inv_k) {
+  RowCoef c{0.f, 0.f, 0.f, neg_inf()};
+  if (isnan(la) || isnan(lb)) {  // a bug upstream: make it visible, never read V
+    c.bias = quiet_nan();
+    c.lse = quiet_nan();
+    return c;
+  }
+  const bool ea = is_empty_lse(la), eb = is_empty_lse(lb);
+  if (ea && eb) return c;
+  const float m = ea ? lb : (eb ? la : fmaxf(la, lb));
+  const float wa = ea ? 0.f : exp2f((la - m) * k);
+  const float wb = eb ? 0.f : exp2f((lb - m) * k);
+  const float sum = wa + wb;  // in [1, 2]: the larger weight is exactly 1
+  c.ca = wa / sum;
+  c.cb = wb / sum;
+  c.lse = m + log2f(sum) * inv_k;
+  return c;
+}
+
+// One row (token t, head h) per group of LANES threads (blockDim.x = LANES, a divisor of 32),
+// VEC elements per access. Lane 0 reads the LSEs and writes the output LSE (so out_lse may
+// alias s_a or s_b); the coefficients reach the other lanes by shuffle.
+template <typename Tin, typename Tout, int VEC>
+__global__ void merge_state_kernel(
+    const Tin* __restrict__ va, i64 va_st, i64 va_sh,
+    const Tin* __restrict__ vb, i64 vb_st, i64 vb_sh,
+    Tout* out, i64 out_st, i64 out_sh,
+    const float* sa, i64 sa_st, i64 sa_sh,
+    const float* sb, i64 sb_st, i64 sb_sh,
+    float* olse, i64 ol_st, i64 ol_sh,
+    i64 T, i64 H, i64 D,
+    i64 prefix_rows,      // rows t >= prefix_rows take state b alone
+    i64 suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
+    const void* a_cu, const void* a_lens, i64 a_batch, i64 a_is64,  // requests with empty a
+    const unsigned char* row_mask,  // rows with mask 0 are not touched (null: all rows)
+    float k, float inv_k,
+    const float* out_scale) {       // fp8 output: out = merged / *out_scale (null: 1)
+  const int lanes = blockDim.x;
+  const int lane = threadIdx.x;
+  const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+  const bool valid = row < T * H;
+  const i64 t = valid ? row / H : 0;
+  const i64 h = row - t * H;
+
+  RowCoef c{0.f, 0.f, 0.f, neg_inf()};
+  int skip = !valid;
+  if (lane == 0 && valid) {
+    if (row_mask != nullptr && row_mask[t] == 0) {
+      skip = 1;
+    } else {
+      bool use_a = t < prefix_rows;
+      if (use_a && a_cu != nullptr) {
+        const i64 r = find_request(a_cu, (int)a_is64, a_batch, t);
+        use_a = load_index(a_lens, (int)a_is64, r) != 0;
+      }
+      const float lb = sb[t * sb_st + h * sb_sh];
+      if (t >= prefix_rows && suffix_verbatim) {
+        c.cb = 1.f;
+        c.lse = lb;
+      } else {
+        const float la = use_a ? sa[t * sa_st + h * sa_sh] : neg_inf();
+        c = combine2(la, lb, k, inv_k);
+      }
+    }
+  }
+  c.ca = __shfl_sync(0xffffffffu, c.ca, 0, lanes);
+  c.cb = __shfl_sync(0xffffffffu, c.cb, 0, lanes);
+  c.bias = __shfl_sync(0xffffffffu, c.bias, 0, lanes);
+  skip = __shfl_sync(0xffffffffu, skip, 0, lanes);
+  if (skip) return;
+
+  const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
+  const Tin* pa = va + t * va_st + h * va_sh;
+  const Tin* pb = vb + t * vb_st + h * vb_sh;
+  Tout* po = out + t * out_st + h * out_sh;
+  for (i64 d = (i64)lane * VEC; d < D; d += (i64)lanes * VEC) {
+    Pack<Tin, VEC> a, b;
+    if (c.ca != 0.f) a = load_pack<Tin, VEC>(pa + d);
+    if (c.cb != 0.f) b = load_pack<Tin, VEC>(pb + d);
+    Pack<Tout, VEC> o;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      float acc = c.bias;
+      if (c.ca != 0.f) acc += c.ca * to_float(a.v[j]);
+      if (c.cb != 0.f) acc += c.cb * to_float(b.v[j]);
+      o.v[j] = from_float<Tout>(acc * inv_scale);
+    }
+    store_pack<Tout, VEC>(po + d, o);
+  }
+  if (lane == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = c.lse;
+}
+
+// N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both
+// [N, T, H, D] and [T, N, H, D] layouts work. Empty inputs are skipped without reading V.
+template <typename Tin, typename Tout, int VEC>
+__global__ void merge_states_kernel(
+    const Tin* __restrict__ v, i64 v_sn, i64 v_st, i64 v_sh,
+    const float* __restrict__ s, i64 s_sn, i64 s_st, i64 s_sh,
+    Tout* __restrict__ out, i64 out_st, i64 out_sh,
+    float* __restrict__ olse, i64 ol_st, i64 ol_sh,
+    i64 N, i64 T, i64 H, i64 D, float k, float inv_k, const float* out_scale) {
+  const int lanes = blockDim.x;
+  const int lane = threadIdx.x;
+  const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
+  if (row >= T * H) return;  // no shuffles below: an early exit is safe
+  const i64 t = row / H;
+  const i64 h = row - t * H;
+  const float* ps = s + t * s_st + h * s_sh;
+
+  // Every lane reduces the N LSEs itself (broadcast loads from L1): no shuffles needed.
+  float m = neg_inf();
+  bool any_nan = false;
+  for (i64 n = 0; n < N; ++n) {
+    const float x = ps[n * s_sn];
+    any_nan |= isnan(x);
+    if (!is_empty_lse(x)) m = fmaxf(m, x);
+  }
+  float sum = 0.f;
+  if (!any_nan && m != neg_inf()) {
+    for (i64 n = 0; n < N; ++n) {
+      const float x = ps[n * s_sn];
+      if (!is_empty_lse(x)) sum += exp2f((x - m) * k);
+    }
+  }
+  const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
+  const float bias = any_nan ? quiet_nan() : 0.f;
+  const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
+
+  const Tin* pv = v + t * v_st + h * v_sh;
+  Tout* po = out + t * out_st + h * out_sh;
+  for (i64 d = (i64)lane * VEC; d < D; d += (i64)lanes * VEC) {
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = bias;
+    if (sum > 0.f) {
+      for (i64 n = 0; n < N; ++n) {
+        const float x = ps[n * s_sn];
+        if (is_empty_lse(x)) continue;
+        const float w = exp2f((x - m) * k) * inv_sum;
+        if (w == 0.f) continue;
+        const Pack<Tin, VEC> a = load_pack<Tin, VEC>(pv + n * v_sn + d);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[j] += w * to_float(a.v[j]);
+      }
+    }
+    Pack<Tout, VEC> o;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o.v[j] = from_float<Tout>(acc[j] * inv_scale);
+    store_pack<Tout, VEC>(po + d, o);
+  }
+  if (lane == 0 && olse != nullptr) {
+    olse[t * ol_st + h * ol_sh] =
+        any_nan ? quiet_nan() : (sum > 0.f ? m + log2f(sum) * inv_k : neg_inf());
+  }
+}

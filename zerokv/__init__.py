@@ -1,0 +1,13 @@
+"""zerokv: CUDA kernels for the bookkeeping of chunked prefill and split-KV attention.
+
+Merging partial attention states by their log-sum-exp, writing the empty state into rows of
+requests that had no KV, and planning on the CPU which chunks need that at all. Kernels are
+compiled at run time by NVRTC through CuPy and receive torch (or any DLPack) tensors zero-copy.
+"""
+
+from .fixup import fixup_zero_kv_rows
+from .mask import mask_empty_context
+from .merge import merge_state, merge_states
+
+__all__ = ["fixup_zero_kv_rows", "mask_empty_context", "merge_state", "merge_states"]
+__version__ = "0.1.0"

@@ -1,0 +1,168 @@
+"""The one runtime every op uses: kernel sources, compile cache, device and stream, launch.
+
+* Sources: ``kernels_cu/<stem>.cu`` with its ``#include "x.cuh"`` lines replaced by the header
+  text, so the code handed to NVRTC (and hashed by CuPy's disk cache) covers every byte.
+* Cache: one CuPy ``Function`` per (stem, template instantiation, device), compiled on first use
+  under a lock (concurrent first calls compile once) and reused from CuPy's disk cache
+  (``CUPY_CACHE_DIR``) by later processes.
+* Launch: on the given stream, in the tensor's device context; nothing is allocated or synced.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Options shared by the run-time (CuPy) and the offline (cuda-bindings) compiles. CuPy adds
+# -arch for the device and -ftz=true itself.
+NVRTC_OPTIONS = ("--std=c++17",)
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
+
+
+def kernel_dir() -> Path:
+    """``kernels_cu`` inside an installed wheel, or beside the package in a source tree."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
+        if (candidate / "common.cuh").is_file():
+            return candidate
+    raise FileNotFoundError(f"zerokv: kernel sources (kernels_cu/) not found near {here}")
+
+
+def source(stem: str, directory: Path | None = None) -> str:
+    """The full text of ``<stem>.cu`` with every local header inlined once."""
+    directory = directory or kernel_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = (directory / name).read_text()
+        text = text.replace("#pragma once\n", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return f"// zerokv: {stem}.cu with headers inlined\n" + expand(f"{stem}.cu")
+
+
+# --- what exists: every (stem, kernel, template arguments) the ops may launch ------------------
+
+INSTANTIATIONS: dict[str, list[str]] = {}  # stem -> name expressions
+
+
+def register(stem: str, expressions: list[str]) -> None:
+    """Ops declare their instantiations, so the offline compile can build every one."""
+    INSTANTIATIONS.setdefault(stem, [])
+    for e in expressions:
+        if e not in INSTANTIATIONS[stem]:
+            INSTANTIATIONS[stem].append(e)
+
+
+# --- compile cache ----------------------------------------------------------------------------
+
+_functions: dict[tuple[str, str, int], Any] = {}
+_lock = threading.Lock()
+_modules_built = 0  # number of RawModules created in this process (tests read it)
+
+
+def function(stem: str, expr: str, device: int) -> Any:
+    """The CuPy Function for ``expr`` on ``device``; compiled and loaded once per device."""
+    key = (stem, expr, device)
+    fn = _functions.get(key)
+    if fn is None:
+        with _lock:
+            fn = _functions.get(key)
+            if fn is None:
+                fn = _functions[key] = _build(stem, expr, device)
+    return fn
+
+
+def _build(stem: str, expr: str, device: int) -> Any:
+    global _modules_built
+    cupy = import_cupy()
+    with cupy.cuda.Device(device):
+        module = cupy.RawModule(code=source(stem), options=NVRTC_OPTIONS, name_expressions=[expr])
+        fn = module.get_function(expr)
+    _modules_built += 1
+    return fn
+
+
+def clear_cache() -> None:
+    """Forget loaded functions (the disk cache stays); the next call compiles or reloads."""
+    with _lock:
+        _functions.clear()
+
+
+# --- devices and streams ----------------------------------------------------------------------
+
+
+def import_cupy() -> Any:
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise RuntimeError(
+            "zerokv needs CuPy for GPU tensors: pip install 'zerokv[cuda12]' or 'zerokv[cuda13]'"
+        ) from e
+    return cupy
+
+
+class _Stream:
+    """What CuPy's launch needs of a stream: an integer ``ptr``."""
+
+    __slots__ = ("ptr",)
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+
+_streams: dict[int, _Stream] = {}
+
+
+def stream_for(t: Any) -> int:
+    """Raw handle of the producer's current stream on the tensor's device."""
+    if t.is_torch:
+        return sys.modules["torch"]._C._cuda_getCurrentRawStream(t.device)
+    return cupy_stream(t.device)
+
+
+def cupy_stream(device: int) -> int:
+    cupy = import_cupy()
+    with cupy.cuda.Device(device):
+        return cupy.cuda.get_current_stream().ptr
+
+
+@lru_cache(maxsize=None)
+def sm_count(device: int) -> int:
+    cupy = import_cupy()
+    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+
+
+def launch(
+    stem: str,
+    expr: str,
+    device: int,
+    stream: int,
+    grid: tuple[int, ...],
+    block: tuple[int, ...],
+    args: tuple[Any, ...],
+) -> None:
+    """Launch ``expr`` on ``stream`` in ``device``'s context (switching only when needed)."""
+    fn = function(stem, expr, device)
+    s = _streams.get(stream)
+    if s is None:
+        s = _streams[stream] = _Stream(stream)
+    cupy = sys.modules["cupy"]
+    if cupy.cuda.runtime.getDevice() == device:
+        fn(grid, block, args, stream=s)
+    else:
+        with cupy.cuda.Device(device):
+            fn(grid, block, args, stream=s)
+
+
+f32 = np.float32  # kernel float parameters must be packed as 4-byte floats, never Python float

@@ -1,0 +1,162 @@
+"""Reading tensors of any producer without copying them.
+
+``view(x)`` returns a :class:`Tensor` record: data pointer, shape, strides in elements, canonical
+dtype name and device (-1 for host memory). torch tensors take a fast path that reads the same
+facts DLPack would carry straight from the tensor (no ``__dlpack__`` call, so no per-call stream
+handshake); every other producer (CuPy, JAX, numpy, ...) goes through its ``__dlpack__`` capsule,
+parsed here with ctypes: zero-copy, and bfloat16 works for every producer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from typing import Any, NamedTuple
+
+import numpy as np
+
+
+class Tensor(NamedTuple):
+    obj: Any  # the caller's object (kept alive, and used for host-side fallbacks)
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in elements
+    dtype: str
+    device: int  # CUDA ordinal, or -1 for host memory
+    is_torch: bool
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+_TORCH_DTYPES: dict[Any, str] = {}
+
+
+def _torch_dtypes(torch: Any) -> dict[Any, str]:
+    if not _TORCH_DTYPES:
+        for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "uint8"):
+            _TORCH_DTYPES[getattr(torch, name)] = name
+        if hasattr(torch, "float8_e4m3fn"):
+            _TORCH_DTYPES[torch.float8_e4m3fn] = "float8_e4m3fn"
+    return _TORCH_DTYPES
+
+
+def torch_view(t: Any) -> Tensor:
+    """The torch fast path: the facts DLPack would export, read directly."""
+    dtypes = _TORCH_DTYPES or _torch_dtypes(sys.modules["torch"])
+    dtype = dtypes.get(t.dtype)
+    if dtype is None:
+        dtype = str(t.dtype).removeprefix("torch.")
+    return Tensor(t, t.data_ptr(), tuple(t.shape), t.stride(), dtype, t.get_device(), True)
+
+
+# --- DLPack (legacy, unversioned capsule "dltensor") -------------------------------------------
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+# (type code, bits) -> canonical name; codes: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
+_DL_DTYPES = {
+    (0, 32): "int32",
+    (0, 64): "int64",
+    (1, 8): "uint8",
+    (2, 16): "float16",
+    (2, 32): "float32",
+    (2, 64): "float64",
+    (4, 16): "bfloat16",
+    (6, 8): "bool",
+}
+_get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_get_pointer.restype = ctypes.c_void_p
+_get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+def dlpack_view(x: Any, stream: int | None = None) -> Tensor:
+    """Parse ``x.__dlpack__()`` in place. ``stream``: the CUDA stream the consumer will use
+    (the producer orders its pending work before it, as the DLPack protocol says)."""
+    dev_type, dev_id = x.__dlpack_device__()
+    if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED) and stream is not None:
+        capsule = x.__dlpack__(stream=stream)
+    else:
+        capsule = x.__dlpack__()
+    t = _DLTensor.from_address(_get_pointer(capsule, b"dltensor"))
+    ndim = t.ndim
+    shape = tuple(t.shape[i] for i in range(ndim))
+    if t.strides:
+        strides = tuple(t.strides[i] for i in range(ndim))
+    else:  # compact row-major
+        acc, rev = 1, []
+        for s in reversed(shape):
+            rev.append(acc)
+            acc *= s
+        strides = tuple(reversed(rev))
+    code = (t.dtype.code, t.dtype.bits)
+    dtype = _DL_DTYPES.get(code, f"dlpack(code={code[0]}, bits={code[1]})")
+    if t.dtype.lanes != 1:
+        dtype = f"dlpack(lanes={t.dtype.lanes})"
+    ptr = (t.data or 0) + t.byte_offset
+    device = -1 if dev_type in (_DL_CPU, _DL_CUDA_HOST) else dev_id
+    # The capsule is released here (its deleter runs); x itself keeps the memory alive.
+    return Tensor(x, ptr, shape, strides, dtype, device, False)
+
+
+def is_torch(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def view(x: Any, arg: str) -> Tensor:
+    """Any tensor-like to a :class:`Tensor`; ``TypeError`` naming ``arg`` otherwise."""
+    if is_torch(x):
+        return torch_view(x)
+    if isinstance(x, np.ndarray):
+        return _numpy_view(x)
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        return dlpack_view(x, _producer_stream(x))
+    raise TypeError(
+        f"{arg}: expected a tensor (torch, CuPy, numpy or any DLPack producer), got {type(x).__name__}"
+    )
+
+
+_NUMPY_NAMES = {"float16", "float32", "float64", "int32", "int64", "bool", "uint8", "bfloat16"}
+
+
+def _numpy_view(a: np.ndarray) -> Tensor:
+    name = a.dtype.name
+    if name not in _NUMPY_NAMES:
+        name = f"numpy.{name}"
+    item = a.itemsize
+    strides = tuple(s // item for s in a.strides)
+    return Tensor(a, a.__array_interface__["data"][0], a.shape, strides, name, -1, False)
+
+
+def _producer_stream(x: Any) -> int | None:
+    """The stream a non-torch CUDA producer hands its data on: CuPy's current stream."""
+    if x.__dlpack_device__()[0] not in (_DL_CUDA, _DL_CUDA_MANAGED):
+        return None
+    from . import _runtime
+
+    return _runtime.cupy_stream(x.__dlpack_device__()[1]) or 1  # 1: the legacy default stream

@@ -1,0 +1,98 @@
+"""float64 numpy reference of every zerokv op: the specification the kernels are tested against.
+
+All functions take numpy arrays (any float dtype; computed in float64) and return new arrays;
+nothing is modified in place. Conventions are the library's: ``V [T, H, D]``, ``LSE [T, H]``.
+
+Empty rule: an LSE of -inf or +inf gives weight 0 and that V is never used (it may hold NaN);
+if every input of a row is empty the row is (0, -inf). NaN in any LSE of a row makes that row's
+V and LSE NaN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _base(lse_base: str | int) -> float:
+    return np.e if str(lse_base) == "e" else 2.0
+
+
+def merge_states(v: np.ndarray, s: np.ndarray, lse_base: str | int = "e") -> tuple[np.ndarray, np.ndarray]:
+    """N-way merge. ``v [N, T, H, D]``, ``s [N, T, H]`` -> ``(out [T, H, D], lse [T, H])``."""
+    v = np.asarray(v, dtype=np.float64)
+    s = np.asarray(s, dtype=np.float64)
+    base = _base(lse_base)
+    nan = np.isnan(s).any(axis=0)
+    usable = np.isfinite(s)  # excludes +-inf (empty) and NaN
+    m = np.where(usable, s, -np.inf).max(axis=0, initial=-np.inf)
+    live = np.isfinite(m)
+    m_safe = np.where(live, m, 0.0)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        w = np.where(usable, np.power(base, np.where(usable, s, 0.0) - m_safe), 0.0)
+        total = w.sum(axis=0)
+        # An input with weight 0 is never read: its V may be NaN/Inf garbage.
+        contrib = np.where(w[..., None] > 0, w[..., None] * np.where(w[..., None] > 0, v, 0.0), 0.0)
+        out = contrib.sum(axis=0) / np.where(live, total, 1.0)[..., None]
+        lse = np.where(live, m_safe + np.log(np.where(live, total, 1.0)) / np.log(base), -np.inf)
+    out = np.where(live[..., None], out, 0.0)
+    out = np.where(nan[..., None], np.nan, out)
+    lse = np.where(nan, np.nan, lse)
+    return out, lse
+
+
+def merge_state(
+    v_a: np.ndarray,
+    s_a: np.ndarray,
+    v_b: np.ndarray,
+    s_b: np.ndarray,
+    lse_base: str | int = "e",
+    prefix_rows: int | None = None,
+    a_empty_rows: np.ndarray | None = None,
+    suffix_verbatim: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Two-way merge. Rows ``t >= prefix_rows`` take state b alone (with the empty rule, or
+    verbatim when ``suffix_verbatim``); rows where ``a_empty_rows[t]`` treat state a as empty
+    without reading it."""
+    s_a = np.asarray(s_a, dtype=np.float64)
+    s_b = np.asarray(s_b, dtype=np.float64)
+    T = s_b.shape[0]
+    use_a = np.arange(T) < (T if prefix_rows is None else prefix_rows)
+    if a_empty_rows is not None:
+        use_a &= ~np.asarray(a_empty_rows, dtype=bool)
+    s_a_used = np.where(use_a[:, None], s_a, -np.inf)
+    out, lse = merge_states(np.stack([v_a, v_b]), np.stack([s_a_used, s_b]), lse_base)
+    if suffix_verbatim and prefix_rows is not None:
+        out[prefix_rows:] = np.asarray(v_b, dtype=np.float64)[prefix_rows:]
+        lse[prefix_rows:] = s_b[prefix_rows:]
+    return out, lse
+
+
+def rows_of_requests(cu_seqlens_q: np.ndarray, request_mask: np.ndarray, T: int) -> np.ndarray:
+    """Boolean ``[T]``: rows that belong to requests with ``request_mask[i]``."""
+    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+    rows = np.zeros(T, dtype=bool)
+    for i in np.flatnonzero(np.asarray(request_mask, dtype=bool)):
+        rows[cu[i] : cu[i + 1]] = True
+    return rows
+
+
+def write_empty_rows(out: np.ndarray, lse: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Copies of ``out``/``lse`` (float64) with ``rows`` set to the empty state (0, -inf)."""
+    out = np.array(out, dtype=np.float64)
+    lse = np.array(lse, dtype=np.float64)
+    out[rows] = 0.0
+    lse[rows] = -np.inf
+    return out, lse
+
+
+def fixup_zero_kv_rows(out, lse, kv_lens, cu_seqlens_q) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of requests with ``kv_lens[i] == 0`` become (0, -inf); the rest are unchanged."""
+    rows = rows_of_requests(cu_seqlens_q, np.asarray(kv_lens) == 0, np.shape(lse)[0])
+    return write_empty_rows(out, lse, rows)
+
+
+def mask_empty_context(out, lse, cu_seqlens_q, cu_seqlens_kv) -> tuple[np.ndarray, np.ndarray]:
+    """Rows of requests whose context span ``[cu_kv[i], cu_kv[i+1])`` is empty become (0, -inf)."""
+    empty = np.diff(np.asarray(cu_seqlens_kv, dtype=np.int64)) == 0
+    rows = rows_of_requests(cu_seqlens_q, empty, np.shape(lse)[0])
+    return write_empty_rows(out, lse, rows)
