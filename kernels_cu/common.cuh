@@ -76,3 +76,29 @@ __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); 
 __device__ __forceinline__ float quiet_nan() { return __int_as_float(0x7fffffff); }
 // An LSE of -inf or +inf marks an empty state (FA2 writes +inf for empty rows).
 __device__ __forceinline__ bool is_empty_lse(float s) { return fabsf(s) == __int_as_float(0x7f800000); }
+
+// One-instruction special functions (relative error ~2^-22): the merge needs a handful per row,
+// and the full-precision library versions cost more instructions than the row's memory traffic.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float fast_log2(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// (row / H, row % H) with 32-bit division when the operands allow (the common case).
+__device__ __forceinline__ void split_row(i64 row, i64 H, i64 rows, i64& t, i64& h) {
+  if (rows <= 0x7fffffffLL) {
+    const unsigned q = (unsigned)row / (unsigned)H;
+    t = q;
+    h = (unsigned)row - q * (unsigned)H;
+  } else {
+    t = row / H;
+    h = row - t * H;
+  }
+}
+

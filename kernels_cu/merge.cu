@@ -23,86 +23,116 @@ __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float i
   const bool ea = is_empty_lse(la), eb = is_empty_lse(lb);
   if (ea && eb) return c;
   const float m = ea ? lb : (eb ? la : fmaxf(la, lb));
-  const float wa = ea ? 0.f : exp2f((la - m) * k);
-  const float wb = eb ? 0.f : exp2f((lb - m) * k);
+  const float wa = ea ? 0.f : fast_exp2((la - m) * k);
+  const float wb = eb ? 0.f : fast_exp2((lb - m) * k);
   const float sum = wa + wb;  // in [1, 2]: the larger weight is exactly 1
-  c.ca = wa / sum;
-  c.cb = wb / sum;
-  c.lse = m + log2f(sum) * inv_k;
+  const float inv = 1.f / sum;
+  c.ca = wa * inv;
+  c.cb = wb * inv;
+  c.lse = m + fast_log2(sum) * inv_k;
   return c;
 }
 
-// One row (token t, head h) per group of LANES threads (blockDim.x = LANES, a divisor of 32),
-// VEC elements per access. Lane 0 reads the LSEs and writes the output LSE (so out_lse may
-// alias s_a or s_b); the coefficients reach the other lanes by shuffle.
+// Each warp merges a tile of 32 consecutive rows (token t, head h) in two phases.
+//  1. Lane i takes row i of the tile: reads its LSEs (coalesced), computes its coefficients and
+//     the element offsets of its row; lane i alone later writes that row's LSE, so out_lse may
+//     alias s_a or s_b.
+//  2. The warp sweeps the tile's V data, `lanes` threads per row (a power of two <= 32) and
+//     32 / lanes rows per pass, U passes at a time so that 2 x U accesses per thread are in
+//     flight; coefficients and offsets come from the owning lane by shuffle.
+// The per-row math thus runs once per row on all 32 lanes, not on one lane per row group.
+constexpr int U = 4;
+
 template <typename Tin, typename Tout, int VEC>
 __global__ void merge_state_kernel(
-    const Tin* __restrict__ va, i64 va_st, i64 va_sh,
-    const Tin* __restrict__ vb, i64 vb_st, i64 vb_sh,
+    const Tin* va, i64 va_st, i64 va_sh,
+    const Tin* vb, i64 vb_st, i64 vb_sh,
     Tout* out, i64 out_st, i64 out_sh,
     const float* sa, i64 sa_st, i64 sa_sh,
     const float* sb, i64 sb_st, i64 sb_sh,
     float* olse, i64 ol_st, i64 ol_sh,
-    i64 T, i64 H, i64 D,
+    i64 T, i64 H, i64 D, i64 lanes,
     i64 prefix_rows,      // rows t >= prefix_rows take state b alone
     i64 suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
     const void* a_cu, const void* a_lens, i64 a_batch, i64 a_is64,  // requests with empty a
     const unsigned char* row_mask,  // rows with mask 0 are not touched (null: all rows)
     float k, float inv_k,
     const float* out_scale) {       // fp8 output: out = merged / *out_scale (null: 1)
-  const int lanes = blockDim.x;
-  const int lane = threadIdx.x;
-  const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-  const bool valid = row < T * H;
-  const i64 t = valid ? row / H : 0;
-  const i64 h = row - t * H;
+  const int lane = threadIdx.x & 31;
+  const i64 rows = T * H;
+  const i64 tile = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const i64 row = tile * 32 + lane;
 
+  // -- phase 1: this lane's row --
   RowCoef c{0.f, 0.f, 0.f, neg_inf()};
-  int skip = !valid;
-  if (lane == 0 && valid) {
-    if (row_mask != nullptr && row_mask[t] == 0) {
-      skip = 1;
+  int live = row < rows;
+  i64 t = 0, h = 0;
+  if (live) {
+    split_row(row, H, rows, t, h);
+    if (row_mask != nullptr && row_mask[t] == 0) live = 0;
+  }
+  if (live) {
+    bool use_a = t < prefix_rows;
+    if (use_a && a_cu != nullptr) {
+      const i64 q = find_request(a_cu, (int)a_is64, a_batch, t);
+      use_a = load_index(a_lens, (int)a_is64, q) != 0;
+    }
+    const float lb = sb[t * sb_st + h * sb_sh];
+    const float la = use_a ? sa[t * sa_st + h * sa_sh] : neg_inf();
+    if (t >= prefix_rows && suffix_verbatim) {
+      c.cb = 1.f;
+      c.lse = lb;
     } else {
-      bool use_a = t < prefix_rows;
-      if (use_a && a_cu != nullptr) {
-        const i64 r = find_request(a_cu, (int)a_is64, a_batch, t);
-        use_a = load_index(a_lens, (int)a_is64, r) != 0;
-      }
-      const float lb = sb[t * sb_st + h * sb_sh];
-      if (t >= prefix_rows && suffix_verbatim) {
-        c.cb = 1.f;
-        c.lse = lb;
-      } else {
-        const float la = use_a ? sa[t * sa_st + h * sa_sh] : neg_inf();
-        c = combine2(la, lb, k, inv_k);
-      }
+      c = combine2(la, lb, k, inv_k);
     }
   }
-  c.ca = __shfl_sync(0xffffffffu, c.ca, 0, lanes);
-  c.cb = __shfl_sync(0xffffffffu, c.cb, 0, lanes);
-  c.bias = __shfl_sync(0xffffffffu, c.bias, 0, lanes);
-  skip = __shfl_sync(0xffffffffu, skip, 0, lanes);
-  if (skip) return;
+  const i64 off_a = t * va_st + h * va_sh;
+  const i64 off_b = t * vb_st + h * vb_sh;
+  const i64 off_o = t * out_st + h * out_sh;
 
+  // -- phase 2: the tile's V data --
+  const int per_pass = 32 / (int)lanes;
+  const int sub = lane / (int)lanes;
+  const int col = lane % (int)lanes;
   const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
-  const Tin* pa = va + t * va_st + h * va_sh;
-  const Tin* pb = vb + t * vb_st + h * vb_sh;
-  Tout* po = out + t * out_st + h * out_sh;
-  for (i64 d = (i64)lane * VEC; d < D; d += (i64)lanes * VEC) {
-    Pack<Tin, VEC> a, b;
-    if (c.ca != 0.f) a = load_pack<Tin, VEC>(pa + d);
-    if (c.cb != 0.f) b = load_pack<Tin, VEC>(pb + d);
-    Pack<Tout, VEC> o;
+  for (int p0 = 0; p0 < (int)lanes; p0 += U) {  // lanes passes cover the 32 rows
+    float ca[U], cb[U], bias[U];
+    i64 oa[U], ob[U], oo[U];
+    int lv[U];
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      float acc = c.bias;
-      if (c.ca != 0.f) acc += c.ca * to_float(a.v[j]);
-      if (c.cb != 0.f) acc += c.cb * to_float(b.v[j]);
-      o.v[j] = from_float<Tout>(acc * inv_scale);
+    for (int u = 0; u < U; ++u) {
+      const int src = ((p0 + u) * per_pass + sub) & 31;
+      ca[u] = __shfl_sync(0xffffffffu, c.ca, src);
+      cb[u] = __shfl_sync(0xffffffffu, c.cb, src);
+      bias[u] = __shfl_sync(0xffffffffu, c.bias, src);
+      oa[u] = __shfl_sync(0xffffffffu, off_a, src);
+      ob[u] = __shfl_sync(0xffffffffu, off_b, src);
+      oo[u] = __shfl_sync(0xffffffffu, off_o, src);
+      lv[u] = __shfl_sync(0xffffffffu, live, src) && p0 + u < (int)lanes;
     }
-    store_pack<Tout, VEC>(po + d, o);
+    for (i64 d = (i64)col * VEC; d < D; d += lanes * VEC) {
+      Pack<Tin, VEC> a[U], b[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {  // every load first: 2 x U in flight
+        if (lv[u] && ca[u] != 0.f) a[u] = load_pack<Tin, VEC>(va + oa[u] + d);
+        if (lv[u] && cb[u] != 0.f) b[u] = load_pack<Tin, VEC>(vb + ob[u] + d);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (!lv[u]) continue;
+        Pack<Tout, VEC> o;
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          float acc = bias[u];
+          if (ca[u] != 0.f) acc += ca[u] * to_float(a[u].v[j]);
+          if (cb[u] != 0.f) acc += cb[u] * to_float(b[u].v[j]);
+          o.v[j] = from_float<Tout>(acc * inv_scale);
+        }
+        store_pack<Tout, VEC>(out + oo[u] + d, o);
+      }
+    }
   }
-  if (lane == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = c.lse;
+  if (live && olse != nullptr) olse[t * ol_st + h * ol_sh] = c.lse;
 }
 
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both

@@ -80,3 +80,21 @@ def same_memory_same_layout(a: Tensor, a_name: str, b: Tensor, b_name: str) -> N
             f"(strides {a.strides} vs {b.strides}, dtypes {a.dtype} vs {b.dtype}); "
             "in-place use requires the same layout"
         )
+
+
+def out_scale(x: Any, out_dtype: str, device: int) -> Tensor | None:
+    """The fp8 output scale: one float32 element on the states' device, given exactly when the
+    output is float8_e4m3fn."""
+    if out_dtype in _dtypes.FP8 and x is None:
+        raise ValueError(f"out_scale: required for a {out_dtype} output")
+    if x is None:
+        return None
+    if out_dtype not in _dtypes.FP8:
+        raise ValueError(f"out_scale: only meaningful with a float8_e4m3fn output, got {out_dtype}")
+    t = view(x, "out_scale")
+    _dtypes.require("out_scale", t.dtype, _dtypes.LSE)
+    if t.numel != 1:
+        raise ValueError(f"out_scale: expected one element, got shape {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"out_scale is on {_where(t.device)} but the states are on {_where(device)}")
+    return t

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import _runtime
 
@@ -40,14 +41,18 @@ def _log(prog) -> str:
     return buf.decode(errors="replace").rstrip("\x00 ")
 
 
-def compile_stem(stem: str, arch: str = "sm_90") -> list[Compiled]:
-    """Compile all registered instantiations of ``kernels_cu/<stem>.cu`` for ``arch``."""
+def compile_stem(stem: str, arch: str = "sm_90", directory: Path | None = None) -> list[Compiled]:
+    """Compile all registered instantiations of ``kernels_cu/<stem>.cu`` for ``arch``.
+
+    ``directory``: another folder of kernel sources to compile instead (default: the package's
+    ``kernels_cu``). A failed compile raises ``RuntimeError`` carrying the NVRTC log.
+    """
     from cuda.bindings import nvrtc
 
     exprs = _runtime.INSTANTIATIONS[stem]
     start = time.perf_counter()
     (prog,) = _check(
-        nvrtc.nvrtcCreateProgram(_runtime.source(stem).encode(), f"{stem}.cu".encode(), 0, [], []),
+        nvrtc.nvrtcCreateProgram(_runtime.source(stem, directory).encode(), f"{stem}.cu".encode(), 0, [], []),
         "create",
     )
     try:

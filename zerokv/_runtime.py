@@ -10,14 +10,14 @@
 
 from __future__ import annotations
 
+import ctypes
 import re
+import struct
 import sys
 import threading
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 # Options shared by the run-time (CuPy) and the offline (cuda-bindings) compiles. CuPy adds
 # -arch for the device and -ftz=true itself.
@@ -112,18 +112,6 @@ def import_cupy() -> Any:
     return cupy
 
 
-class _Stream:
-    """What CuPy's launch needs of a stream: an integer ``ptr``."""
-
-    __slots__ = ("ptr",)
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
-_streams: dict[int, _Stream] = {}
-
-
 def stream_for(t: Any) -> int:
     """Raw handle of the producer's current stream on the tensor's device."""
     if t.is_torch:
@@ -137,10 +125,49 @@ def cupy_stream(device: int) -> int:
         return cupy.cuda.get_current_stream().ptr
 
 
-@lru_cache(maxsize=None)
+@cache
 def sm_count(device: int) -> int:
     cupy = import_cupy()
     return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+
+
+# Launch through the driver directly: all arguments packed by ``struct`` into one buffer handed
+# over with CU_LAUNCH_PARAM_BUFFER_POINTER. A CuPy Function call converts every argument to a
+# Python object of its own first, which costs several µs for kernels with ~30 parameters.
+_BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0
+_CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+class _Driver:
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.launch = self.lib.cuLaunchKernel
+        self.launch.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        self.launch.restype = ctypes.c_int
+
+    def error_name(self, code: int) -> str:
+        name = ctypes.c_char_p()
+        self.lib.cuGetErrorName(code, ctypes.byref(name))
+        return (name.value or b"unknown").decode()
+
+
+@lru_cache(maxsize=1)
+def _driver() -> _Driver:
+    return _Driver()
+
+
+class _Packer:
+    """``struct`` layout of a kernel's parameters (each at its natural alignment, as the C ABI)."""
+
+    def __init__(self, fmt: str) -> None:
+        self.struct = struct.Struct(fmt)
+        self.size = ctypes.c_size_t(self.struct.size)
+        self.size_ptr = ctypes.addressof(self.size)
+
+
+@cache
+def _packer(fmt: str) -> _Packer:
+    return _Packer(fmt)
 
 
 def launch(
@@ -148,21 +175,30 @@ def launch(
     expr: str,
     device: int,
     stream: int,
-    grid: tuple[int, ...],
-    block: tuple[int, ...],
+    grid: tuple[int, int, int],
+    block: tuple[int, int, int],
+    fmt: str,
     args: tuple[Any, ...],
 ) -> None:
-    """Launch ``expr`` on ``stream`` in ``device``'s context (switching only when needed)."""
+    """Launch ``expr`` on ``stream`` in ``device``'s context (switching only when needed).
+
+    ``fmt``: the ``struct`` format of the kernel's parameter list (``q`` for pointers and 64-bit
+    integers, ``f`` for float), ``args`` the values in order.
+    """
     fn = function(stem, expr, device)
-    s = _streams.get(stream)
-    if s is None:
-        s = _streams[stream] = _Stream(stream)
+    packer = _packer(fmt)
+    buf = ctypes.create_string_buffer(packer.struct.size)
+    packer.struct.pack_into(buf, 0, *args)
+    extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buf), _BUFFER_SIZE, packer.size_ptr, _END)
     cupy = sys.modules["cupy"]
     if cupy.cuda.runtime.getDevice() == device:
-        fn(grid, block, args, stream=s)
+        err = _driver().launch(fn.ptr, *grid, *block, 0, stream, None, extra)
+        if err == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched CUDA yet
+            with cupy.cuda.Device(device):
+                cupy.cuda.runtime.free(0)  # binds the device's primary context to this thread
+                err = _driver().launch(fn.ptr, *grid, *block, 0, stream, None, extra)
     else:
         with cupy.cuda.Device(device):
-            fn(grid, block, args, stream=s)
-
-
-f32 = np.float32  # kernel float parameters must be packed as 4-byte floats, never Python float
+            err = _driver().launch(fn.ptr, *grid, *block, 0, stream, None, extra)
+    if err:
+        raise RuntimeError(f"zerokv: launching {expr} failed: {_driver().error_name(err)} ({err})")

@@ -70,8 +70,8 @@ def run(
         B, H, D, flat,
     )  # fmt: skip
     expr = f"{kernel}<{_dtypes.ctype(o.dtype)}, {vec}>"
-    grid = (_BLOCKS_PER_SM * _runtime.sm_count(device),)
-    _runtime.launch(stem, expr, device, _runtime.stream_for(o), grid, (_THREADS,), args)
+    grid = (_BLOCKS_PER_SM * _runtime.sm_count(device), 1, 1)
+    _runtime.launch(stem, expr, device, _runtime.stream_for(o), grid, (_THREADS, 1, 1), "<14q", args)
 
 
 def _vector_width(o: Tensor) -> int:

@@ -8,10 +8,9 @@ from typing import Any
 import numpy as np
 
 from . import _checks, _dtypes, _host, _runtime, reference
-from ._runtime import f32
 from ._tensors import Tensor
 
-_THREADS = 256  # per block: LANES threads per row x (256 / LANES) rows
+_THREADS = 256  # per block
 
 _runtime.register(
     "merge",
@@ -25,7 +24,10 @@ _runtime.register(
 )
 
 _LOG2E = math.log2(math.e)
-_BASES = {"e": (f32(_LOG2E), f32(1.0 / _LOG2E)), "2": (f32(1.0), f32(1.0))}
+_BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
+# struct layouts of the kernels' parameter lists (see kernels_cu/merge.cu)
+_MERGE_STATE_ARGS = "<29q2fq"
+_MERGE_STATES_ARGS = "<18q2fq"
 
 
 def merge_state(
@@ -163,19 +165,7 @@ def merge_two(
         if T > 1 and mask.strides[0] != 1:
             raise ValueError(f"mask: must be contiguous, got stride {mask.strides[0]}")
 
-    out_dtype = o.dtype if o is not None else va.dtype
-    scale = None
-    if out_dtype in _dtypes.FP8:
-        if out_scale is None:
-            raise ValueError(f"out_scale: required for a {out_dtype} output")
-    if out_scale is not None:
-        if out_dtype not in _dtypes.FP8:
-            raise ValueError(f"out_scale: only meaningful with a float8_e4m3fn output, got {out_dtype}")
-        scale = _checks.tensor(out_scale, "out_scale", out_scale.ndim if hasattr(out_scale, "ndim") else 1, _dtypes.LSE)
-        if scale.numel != 1:
-            raise ValueError(f"out_scale: expected one element, got shape {tuple(scale.shape)}")
-        if scale.device != device:
-            raise ValueError("out_scale: must be on the same device as the states")
+    scale = _checks.out_scale(out_scale, o.dtype if o is not None else va.dtype, device)
 
     # -- validated: allocate what was asked for, then compute --
     if o is None:
@@ -192,8 +182,6 @@ def merge_two(
         return out, out_lse
 
     vec = _vector_width(va.dtype, o.dtype, D, (va, vb), o)
-    lanes = _lanes(D, vec)
-    rows = _THREADS // lanes
     k, inv_k = _BASES[base]
     args = (
         va.ptr, va.strides[0], va.strides[1],
@@ -202,15 +190,15 @@ def merge_two(
         sa.ptr, sa.strides[0], sa.strides[1],
         sb.ptr, sb.strides[0], sb.strides[1],
         ol.ptr if ol is not None else 0, ol.strides[0] if ol else 0, ol.strides[1] if ol else 0,
-        T, H, D, prefix, int(suffix_verbatim),
+        T, H, D, _lanes(D, vec), prefix, int(suffix_verbatim),
         cu.ptr if cu else 0, lens.ptr if lens else 0,
         cu.shape[0] - 1 if cu else 0, int(cu is not None and cu.dtype == "int64"),
         mask.ptr if mask else 0, k, inv_k, scale.ptr if scale else 0,
     )  # fmt: skip
     expr = f"merge_state_kernel<{_dtypes.ctype(va.dtype)}, {_dtypes.ctype(o.dtype)}, {vec}>"
-    _runtime.launch(
-        "merge", expr, device, _runtime.stream_for(va), ((T * H + rows - 1) // rows,), (lanes, rows), args
-    )
+    grid = ((T * H + _THREADS - 1) // _THREADS, 1, 1)  # one warp per 32 rows
+    stream = _runtime.stream_for(va)
+    _runtime.launch("merge", expr, device, stream, grid, (_THREADS, 1, 1), _MERGE_STATE_ARGS, args)
     return out, out_lse
 
 
@@ -252,14 +240,7 @@ def merge_states(
         named.append(("out_lse", ol))
     device = _checks.same_device(named)
     base = _checks.lse_base(lse_base)
-    out_dtype = o.dtype if o is not None else vt.dtype
-    scale = None
-    if (out_dtype in _dtypes.FP8) != (out_scale is not None):
-        raise ValueError("out_scale: required exactly when the output is float8_e4m3fn")
-    if out_scale is not None:
-        scale = _checks.tensor(out_scale, "out_scale", len(getattr(out_scale, "shape", (1,))), _dtypes.LSE)
-        if scale.numel != 1 or scale.device != device:
-            raise ValueError("out_scale: expected one float32 element on the states' device")
+    scale = _checks.out_scale(out_scale, o.dtype if o is not None else vt.dtype, device)
     if N == 0:
         raise ValueError("v: expected at least one state (N >= 1), got N = 0")
 
@@ -292,8 +273,9 @@ def merge_states(
         N, T, H, D, k, inv_k, scale.ptr if scale else 0,
     )  # fmt: skip
     expr = f"merge_states_kernel<{_dtypes.ctype(vt.dtype)}, {_dtypes.ctype(o.dtype)}, {vec}>"
+    grid = ((T * H + rows - 1) // rows, 1, 1)
     _runtime.launch(
-        "merge", expr, device, _runtime.stream_for(vt), ((T * H + rows - 1) // rows,), (lanes, rows), args
+        "merge", expr, device, _runtime.stream_for(vt), grid, (lanes, rows, 1), _MERGE_STATES_ARGS, args
     )
     return out, out_lse
 

@@ -1,0 +1,61 @@
+"""Shared fixtures: the GPU marker's skip, per-dtype tolerances, NaN-aware comparison."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+
+def _has_gpu() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+HAS_GPU = _has_gpu()
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
+    for item in items:
+        if "gpu" in item.keywords or "multigpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# output dtype -> (atol, rtol) against the float64 reference
+TOL = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def f64(x) -> np.ndarray:
+    return x.detach().double().cpu().numpy()
+
+
+def assert_close(actual, expected: np.ndarray, dtype, what: str = "") -> None:
+    """NaN and +-inf at exactly the same places; finite values within the dtype's tolerance."""
+    a = f64(actual) if hasattr(actual, "detach") else np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    assert a.shape == e.shape, f"{what}: shape {a.shape} != {e.shape}"
+    nan_a, nan_e = np.isnan(a), np.isnan(e)
+    assert (nan_a == nan_e).all(), f"{what}: NaN at {np.argwhere(nan_a != nan_e)[:5].tolist()} (first few)"
+    inf_e = np.isinf(e)
+    assert (np.isinf(a) == inf_e).all(), (
+        f"{what}: inf mismatch at {np.argwhere(np.isinf(a) != inf_e)[:5].tolist()}"
+    )
+    assert (a[inf_e] == e[inf_e]).all(), f"{what}: inf sign mismatch"
+    fin = np.isfinite(e)
+    atol, rtol = TOL[dtype]
+    np.testing.assert_allclose(a[fin], e[fin], atol=atol, rtol=rtol, err_msg=what)

@@ -1,0 +1,356 @@
+"""merge_state / merge_states: the reference semantics (CPU) and the kernels (GPU) against it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import DTYPES, TOL, assert_close, f64
+from states import INF, NAN, make_states
+
+import zerokv
+from zerokv import reference
+
+# --- the reference is the specification: check it against independent closed forms ---------
+
+
+def test_reference_matches_logaddexp_formula():
+    v_a, s_a, v_b, s_b = (f64(x) for x in make_states(33, 5, 9, torch.float64, edges=False))
+    out, lse = reference.merge_state(v_a, s_a, v_b, s_b)
+    expected_lse = np.logaddexp(s_a, s_b)
+    wa = np.exp(s_a - expected_lse)[..., None]
+    wb = np.exp(s_b - expected_lse)[..., None]
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-12)
+    np.testing.assert_allclose(out, wa * v_a + wb * v_b, rtol=1e-10, atol=1e-12)
+
+
+def test_reference_base2_matches_formula():
+    v_a, s_a, v_b, s_b = (f64(x) for x in make_states(17, 3, 4, torch.float64, edges=False))
+    out, lse = reference.merge_state(v_a, s_a, v_b, s_b, lse_base=2)
+    expected_lse = np.logaddexp2(s_a, s_b)
+    wa = np.exp2(s_a - expected_lse)[..., None]
+    wb = np.exp2(s_b - expected_lse)[..., None]
+    np.testing.assert_allclose(lse, expected_lse, rtol=1e-12)
+    np.testing.assert_allclose(out, wa * v_a + wb * v_b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("device_kind", ["torch", "numpy"])
+def test_edges_on_the_cpu_path(device_kind):
+    v_a, s_a, v_b, s_b = make_states(64, 4, 8, torch.float32, edges=False)
+    s_a[0, 0], v_a[0, 0] = -INF, NAN  # a empty, garbage V
+    s_b[1, 1], v_b[1, 1] = INF, NAN  # b empty the FA2 way
+    s_a[2, 2], s_b[2, 2] = -INF, -INF  # both empty
+    s_a[3, 3], s_b[3, 3] = INF, -INF  # both empty, mixed markers
+    s_a[4, 0] = NAN  # a bug upstream: must show
+    s_a[5, 1] = s_b[5, 1] + 1e4  # huge gap
+    args = (v_a, s_a, v_b, s_b)
+    if device_kind == "numpy":
+        args = tuple(x.numpy() for x in args)
+    out, lse = zerokv.merge_state(*args)
+    out, lse = torch.as_tensor(out), torch.as_tensor(lse)
+    assert torch.equal(out[0, 0], v_b[0, 0]) and lse[0, 0] == s_b[0, 0]
+    assert torch.equal(out[1, 1], v_a[1, 1]) and lse[1, 1] == s_a[1, 1]
+    for t, h in ((2, 2), (3, 3)):
+        assert torch.equal(out[t, h], torch.zeros(8)) and lse[t, h] == -INF
+    assert out[4, 0].isnan().all() and lse[4, 0].isnan()
+    assert torch.allclose(out[5, 1], v_a[5, 1]) and lse[5, 1] == s_a[5, 1]
+    rest = torch.ones(64, 4, dtype=torch.bool)
+    rest[[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 0, 1]] = False
+    assert torch.isfinite(out[rest]).all() and torch.isfinite(lse[rest]).all()
+
+
+@pytest.mark.parametrize("prefix_rows", [0, 7, 20])
+def test_prefix_rows_take_state_b_with_the_empty_rule(prefix_rows):
+    v_a, s_a, v_b, s_b = make_states(20, 3, 8, torch.float32)
+    out, lse = zerokv.merge_state(v_a, s_a, v_b, s_b, prefix_rows=prefix_rows)
+    ref_head = reference.merge_state(*(f64(x)[:prefix_rows] for x in (v_a, s_a, v_b, s_b)))
+    assert_close(out[:prefix_rows], ref_head[0], torch.float32)
+    assert_close(lse[:prefix_rows], ref_head[1], torch.float32)
+    tail = slice(prefix_rows, None)
+    empty_b = torch.isinf(s_b[tail])
+    expected = torch.where(empty_b[..., None], 0.0, v_b[tail])
+    expected_lse = torch.where(empty_b, -INF, s_b[tail])
+    assert torch.equal(out[tail], expected) and torch.equal(lse[tail], expected_lse)
+
+
+def test_in_place_aliasing_cpu():
+    v_a, s_a, v_b, s_b = make_states(16, 2, 8, torch.float32)
+    ref = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=v_a, out_lse=s_a)
+    assert_close(v_a, ref[0], torch.float32)
+    assert_close(s_a, ref[1], torch.float32)
+
+
+def test_out_without_out_lse_writes_no_lse():
+    v_a, s_a, v_b, s_b = make_states(8, 2, 4, torch.float32)
+    out = torch.full_like(v_a, NAN)
+    res = zerokv.merge_state(v_a, s_a, v_b, s_b, out=out)
+    assert res[0] is out and res[1] is None
+
+
+def test_a_empty_treats_requests_state_a_as_empty_cpu():
+    v_a, s_a, v_b, s_b = make_states(12, 2, 4, torch.float32, edges=False)
+    cu = torch.tensor([0, 3, 3, 8, 12], dtype=torch.int64)
+    kv = torch.tensor([0, 0, 5, 0], dtype=torch.int64)
+    v_a[:3] = NAN  # garbage the attention kernel left for request 0 (finite LSE!)
+    v_a[8:] = NAN
+    out, lse = zerokv.merge_state(v_a, s_a, v_b, s_b, a_empty=(cu, kv))
+    assert torch.equal(out[:3], v_b[:3]) and torch.equal(lse[:3], s_b[:3])
+    assert torch.equal(out[8:], v_b[8:])
+    ref = reference.merge_state(*(f64(x)[3:8] for x in (v_a, s_a, v_b, s_b)))
+    assert_close(out[3:8], ref[0], torch.float32)
+
+
+def test_merge_states_equals_pairwise_merge_cpu():
+    v_a, s_a, v_b, s_b = make_states(10, 3, 8, torch.float32)
+    out, lse = zerokv.merge_states(torch.stack([v_a, v_b]), torch.stack([s_a, s_b]))
+    ref = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
+    assert_close(out, ref[0], torch.float32)
+    assert_close(lse, ref[1], torch.float32)
+
+
+# --- validation: TypeError / ValueError naming the argument; nothing written ------------------
+
+
+def _valid(T=6, H=2, D=8):
+    return make_states(T, H, D, torch.float32, edges=False)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, needle",
+    [
+        (lambda a: a.update(v_b=a["v_b"][:3]), ValueError, "v_b"),
+        (lambda a: a.update(s_a=a["s_a"][:, :1]), ValueError, "s_a"),
+        (lambda a: a.update(s_b=a["s_b"].double()), TypeError, "s_b"),
+        (lambda a: a.update(v_a=a["v_a"].int()), TypeError, "v_a"),
+        (lambda a: a.update(v_b=a["v_b"].half()), TypeError, "v_b"),
+        (lambda a: a.update(v_a=a["v_a"].transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "v_a"),
+        (lambda a: a.update(v_a=a["v_a"][0]), ValueError, "v_a"),
+        (lambda a: a.update(v_a=[1, 2, 3]), TypeError, "v_a"),
+        (lambda a: a.update(lse_base=10), ValueError, "lse_base"),
+        (lambda a: a.update(prefix_rows=99), ValueError, "prefix_rows"),
+        (lambda a: a.update(prefix_rows=1.5), TypeError, "prefix_rows"),
+        (lambda a: a.update(out_scale=torch.ones(1)), ValueError, "out_scale"),
+        (lambda a: a.update(a_empty=(torch.tensor([0, 6]), torch.tensor([1, 2]))), ValueError, "kv_lens"),
+        (
+            lambda a: a.update(a_empty=(torch.tensor([0.0, 6.0]), torch.tensor([1]))),
+            TypeError,
+            "cu_seqlens_q",
+        ),
+        (lambda a: a.update(out_lse=torch.zeros(6, 2, dtype=torch.float16)), TypeError, "out_lse"),
+    ],
+)
+def test_rejected_calls_name_the_argument_and_write_nothing(mutate, exc, needle):
+    v_a, s_a, v_b, s_b = _valid()
+    out = torch.full_like(v_a, NAN)
+    kw = {"v_a": v_a, "s_a": s_a, "v_b": v_b, "s_b": s_b, "out": out}
+    mutate(kw)
+    with pytest.raises(exc, match=needle):
+        zerokv.merge_state(kw.pop("v_a"), kw.pop("s_a"), kw.pop("v_b"), kw.pop("s_b"), **kw)
+    assert out.isnan().all()
+
+
+@pytest.mark.gpu
+def test_cpu_gpu_mix_is_rejected():
+    v_a, s_a, v_b, s_b = _valid()
+    with pytest.raises(ValueError, match="cuda:0"):
+        zerokv.merge_state(v_a, s_a, v_b.cuda(), s_b)
+
+
+# --- GPU: the kernel against the reference ----------------------------------------------------
+
+SHAPES_T = (0, 1, 127, 128, 4097)
+SHAPES_H = (1, 16, 128)
+SHAPES_D = (7, 64, 72, 128, 512)
+
+
+def _compare(out, lse, v_a, s_a, v_b, s_b, out_dtype, base="e", prefix_rows=None, sample=4096):
+    """Reference on (a sample of) the tokens; NaN rows checked on the whole output on the GPU."""
+    T = s_a.shape[0]
+    if T == 0:
+        return
+    nan_rows = (s_a.isnan() | s_b.isnan()) & (
+        torch.arange(T, device=s_a.device)[:, None] < (T if prefix_rows is None else prefix_rows)
+    )
+    assert torch.equal(out.isnan().any(-1), nan_rows), "NaN rows differ (unwritten or wrong)"
+    H, D = v_a.shape[1:]
+    idx = torch.arange(T)
+    if sample * 64 < T * H * D:
+        g = torch.Generator().manual_seed(T)
+        idx = torch.unique(
+            torch.cat([torch.randint(0, T, (sample // H + 1,), generator=g), torch.tensor([0, T - 1])])
+        )
+    prefix = None if prefix_rows is None else int((idx < prefix_rows).sum())
+    sel = [f64(x[idx.to(x.device)]) for x in (v_a, s_a, v_b, s_b)]
+    ref_out, ref_lse = reference.merge_state(*sel, lse_base=base, prefix_rows=prefix)
+    assert_close(out[idx.to(out.device)], ref_out, out_dtype, "out")
+    if lse is not None:
+        assert_close(lse[idx.to(lse.device)], ref_lse, torch.float32, "lse")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T", SHAPES_T)
+@pytest.mark.parametrize("H", SHAPES_H)
+@pytest.mark.parametrize("D", SHAPES_D)
+def test_kernel_matches_reference(dtype, T, H, D):
+    v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=T * 7 + H + D)
+    out = torch.full_like(v_a, NAN)
+    lse = torch.full_like(s_a, NAN)
+    res = zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
+    assert res[0] is out and res[1] is lse
+    _compare(out, lse, v_a, s_a, v_b, s_b, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype, out_dtype", [
+    (torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16),
+])  # fmt: skip
+@pytest.mark.parametrize("D", (64, 72, 7))
+def test_output_dtype_differs_from_inputs(in_dtype, out_dtype, D):
+    v_a, s_a, v_b, s_b = make_states(333, 8, D, in_dtype, "cuda", seed=D)
+    out = torch.full((333, 8, D), NAN, dtype=out_dtype, device="cuda")
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out)
+    _compare(out, None, v_a, s_a, v_b, s_b, out_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_hn_lse_layout_padded_heads_and_unaligned_views(dtype):
+    T, H, D = 1025, 16, 128
+    v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=3)
+    # [H, T] LSE buffers passed transposed; V with padded heads and tokens; an unaligned view.
+    s_a_ht = torch.full((H, T + 3), NAN, device="cuda")[:, :T].copy_(s_a.T)
+    s_b_ht = s_b.T.contiguous()
+    padded = torch.full((T, H + 2, D + 8), NAN, dtype=dtype, device="cuda")[:, 1 : H + 1, :D].copy_(v_a)
+    flat = torch.empty(T * H * D + 1, dtype=dtype, device="cuda")
+    unaligned = flat[1:].view(T, H, D).copy_(v_b)
+    out = torch.full((T, H, D + 16), NAN, dtype=dtype, device="cuda")[..., :D]
+    lse_ht = torch.full((H, T), NAN, device="cuda")
+    zerokv.merge_state(padded, s_a_ht.T, unaligned, s_b_ht.T, out=out, out_lse=lse_ht.T)
+    _compare(out, lse_ht.T, v_a, s_a, v_b, s_b, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("alias", ["a", "b"])
+def test_in_place_aliasing_gpu(dtype, alias):
+    v_a, s_a, v_b, s_b = make_states(4097, 16, 128, dtype, "cuda", seed=5)
+    keep = [x.clone() for x in (v_a, s_a, v_b, s_b)]
+    out, lse = (v_a, s_a) if alias == "a" else (v_b, s_b)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
+    _compare(out, lse, *keep, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefix_rows", [0, 1000, 4097])
+def test_prefix_rows_gpu(prefix_rows):
+    v_a, s_a, v_b, s_b = make_states(4097, 8, 64, torch.bfloat16, "cuda", seed=9)
+    out, lse = zerokv.merge_state(v_a, s_a, v_b, s_b, prefix_rows=prefix_rows)
+    _compare(out, lse, v_a, s_a, v_b, s_b, torch.bfloat16, prefix_rows=prefix_rows)
+
+
+@pytest.mark.gpu
+def test_lse_base_2_gpu():
+    v_a, s_a, v_b, s_b = make_states(999, 16, 128, torch.float32, "cuda", seed=11)
+    out, lse = zerokv.merge_state(v_a, s_a, v_b, s_b, lse_base=2)
+    _compare(out, lse, v_a, s_a, v_b, s_b, torch.float32, base=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_a_empty_gpu_matches_cpu_path(index_dtype):
+    T, H, D = 3000, 8, 128
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, "cuda", seed=13)
+    g = torch.Generator().manual_seed(1)
+    q_lens = torch.randint(0, 40, (120,), generator=g)
+    q_lens[-1] = T - q_lens[:-1].sum()
+    assert q_lens[-1] >= 0
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(index_dtype)
+    kv = torch.randint(0, 3, (120,), generator=g).to(index_dtype)
+    s_a_garbage = s_a.clone()
+    out = torch.full_like(v_a, NAN)
+    lse = torch.full_like(s_a, NAN)
+    zerokv.merge_state(v_a, s_a_garbage, v_b, s_b, out=out, out_lse=lse, a_empty=(cu.cuda(), kv.cuda()))
+    cpu_out, cpu_lse = zerokv.merge_state(*(x.cpu() for x in (v_a, s_a, v_b, s_b)), a_empty=(cu, kv))
+    atol, rtol = TOL[torch.bfloat16]
+    torch.testing.assert_close(out.cpu(), cpu_out, atol=atol, rtol=rtol, equal_nan=True)
+    torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_fp8_output_with_scale():
+    fp8 = torch.float8_e4m3fn
+    v_a, s_a, v_b, s_b = make_states(512, 8, 128, torch.bfloat16, "cuda", seed=17, edges=False)
+    scale = torch.tensor([0.01], device="cuda")
+    out = torch.empty(512, 8, 128, dtype=fp8, device="cuda")
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_scale=scale)
+    ref, _ = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
+    expected = torch.from_numpy(np.clip(ref / 0.01, -448, 448)).float()
+    # e4m3 keeps 3 mantissa bits: within one rounding step (1/16 relative, 2^-9 near zero)
+    torch.testing.assert_close(out.float().cpu(), expected, rtol=1 / 16, atol=2**-9)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("layout", ["NTHD", "TNHD"])
+@pytest.mark.parametrize("N", [1, 3, 8])
+def test_merge_states_kernel(dtype, layout, N):
+    T, H, D = 513, 16, 72
+    states = [make_states(T, H, D, dtype, "cuda", seed=N * 10 + i) for i in range(N)]
+    v = torch.stack([s[0] for s in states])
+    s = torch.stack([s[1] for s in states])
+    if layout == "TNHD":
+        v = v.transpose(0, 1).contiguous().transpose(0, 1)
+        s = s.transpose(0, 1).contiguous().transpose(0, 1)
+    out = torch.full((T, H, D), NAN, dtype=dtype, device="cuda")
+    lse = torch.full((T, H), NAN, device="cuda")
+    zerokv.merge_states(v, s, out=out, out_lse=lse)
+    ref_out, ref_lse = reference.merge_states(f64(v), f64(s))
+    assert_close(out, ref_out, dtype, "out")
+    assert_close(lse, ref_lse, torch.float32, "lse")
+
+
+@pytest.mark.gpu
+def test_runs_on_the_current_torch_stream():
+    T, H, D = 8192, 32, 128
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, "cuda", seed=19)
+    side = torch.cuda.Stream()
+    out = torch.full_like(v_a, NAN)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keep the side stream busy: a launch elsewhere would race
+        a2 = v_a * 1  # produced on the side stream
+        zerokv.merge_state(a2, s_a, v_b, s_b, out=out)
+    side.synchronize()
+    _compare(out, None, v_a, s_a, v_b, s_b, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    T, H, D = 2048, 16, 128
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, "cuda", seed=23)
+    out = torch.full_like(v_a, NAN)
+    lse = torch.full_like(s_a, NAN)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)  # compile and load first
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
+    fresh = make_states(T, H, D, torch.bfloat16, "cuda", seed=29)
+    for dst, src in zip((v_a, s_a, v_b, s_b), fresh, strict=True):
+        dst.copy_(src)
+    out.fill_(NAN)
+    lse.fill_(NAN)
+    graph.replay()
+    torch.cuda.synchronize()
+    _compare(out, lse, *fresh, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_zero_size_is_a_no_op_gpu():
+    for shape in ((0, 4, 8), (4, 0, 8)):
+        v = torch.empty(shape, device="cuda")
+        s = torch.empty(shape[:2], device="cuda")
+        out, lse = zerokv.merge_state(v, s, v, s)
+        assert out.shape == shape and lse.shape == shape[:2]
