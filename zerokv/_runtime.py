@@ -17,7 +17,7 @@ import sys
 import threading
 from functools import cache, lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 # Options shared by the run-time (CuPy) and the offline (cuda-bindings) compiles. CuPy adds
 # -arch for the device and -ftz=true itself.
@@ -71,8 +71,8 @@ _lock = threading.Lock()
 _modules_built = 0  # number of RawModules created in this process (tests read it)
 
 
-def function(stem: str, expr: str, device: int) -> Any:
-    """The CuPy Function for ``expr`` on ``device``; compiled and loaded once per device."""
+def function(stem: str, expr: str, device: int) -> Loaded:
+    """The kernel for ``expr`` on ``device``; compiled and loaded once per device."""
     key = (stem, expr, device)
     fn = _functions.get(key)
     if fn is None:
@@ -83,14 +83,20 @@ def function(stem: str, expr: str, device: int) -> Any:
     return fn
 
 
-def _build(stem: str, expr: str, device: int) -> Any:
+class Loaded(NamedTuple):
+    kernel: Any  # CuPy's RawKernel: owns the loaded module
+    ptr: int  # its CUfunction handle on this device
+
+
+def _build(stem: str, expr: str, device: int) -> Loaded:
     global _modules_built
     cupy = import_cupy()
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=source(stem), options=NVRTC_OPTIONS, name_expressions=[expr])
-        fn = module.get_function(expr)
+        kernel = module.get_function(expr)
+        loaded = Loaded(kernel, kernel.kernel.ptr)  # .kernel: the Function of the current device
     _modules_built += 1
-    return fn
+    return loaded
 
 
 def clear_cache() -> None:
