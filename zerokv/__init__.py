@@ -8,6 +8,14 @@ compiled at run time by NVRTC through CuPy and receive torch (or any DLPack) ten
 from .fixup import fixup_zero_kv_rows
 from .mask import mask_empty_context
 from .merge import merge_state, merge_states
+from .plan import ContextChunkPlan, plan_context_chunks
 
-__all__ = ["fixup_zero_kv_rows", "mask_empty_context", "merge_state", "merge_states"]
+__all__ = [
+    "ContextChunkPlan",
+    "fixup_zero_kv_rows",
+    "mask_empty_context",
+    "merge_state",
+    "merge_states",
+    "plan_context_chunks",
+]
 __version__ = "0.1.0"

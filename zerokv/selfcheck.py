@@ -171,7 +171,9 @@ def main() -> int:
         except ImportError:
             print("(cuda-bindings not installed: offline compile skipped; pip install 'zerokv[nvrtc]')")
         else:
-            print(f"compiled {len(compiled)} kernel instantiations for sm_90 in {time.perf_counter() - t:.2f} s")
+            print(
+                f"compiled {len(compiled)} kernel instantiations for sm_90 in {time.perf_counter() - t:.2f} s"
+            )
         rows = run_cpu()
         print(HEADER)
         print("\n".join(rows))

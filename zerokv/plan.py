@@ -1,0 +1,145 @@
+"""Host-side planning of chunked-context attention: which chunks need the empty-row fixup.
+
+Everything here runs on the CPU from CPU lengths (what the scheduler already has), so an
+engine learns per chunk, without any device sync, whether a fixup launch is needed and whether
+its attention kernel may skip its own empty-row check.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ContextChunkPlan:
+    """Chunk metadata for ``num_chunks`` passes over the cached context.
+
+    Arrays are int32 / bool, on the CPU (torch tensors when the lengths were torch tensors,
+    numpy arrays otherwise), ready to copy to the device.
+
+    Attributes:
+        num_chunks: C, the number of context chunks (0 when no request has context).
+        chunk_width: W, context tokens per request per chunk (the last chunk may hold fewer).
+        cu_seqlens_q: ``[B + 1]`` query offsets (the same for every chunk).
+        starts: ``[C, B]`` first context position of each request in each chunk.
+        lens: ``[C, B]`` context tokens of each request in each chunk (0: empty).
+        cu_seqlens_kv: ``[C, B + 1]`` offsets of each chunk's packed context.
+        max_seqlen_kv: ``[C]`` longest span in each chunk.
+        num_empty_rows: ``[C]`` query rows whose request has no context in the chunk.
+        has_empty: ``[C]`` bool, ``num_empty_rows > 0``: launch a fixup (or merge with
+            ``a_empty``) for this chunk.
+        all_rows_active: ``[C]`` bool, every query row attends to at least one key in this
+            chunk: the attention kernel's own empty-row check can be skipped
+            (``all_rows_active == ~has_empty`` by definition).
+    """
+
+    num_chunks: int
+    chunk_width: int
+    cu_seqlens_q: Any
+    starts: Any
+    lens: Any
+    cu_seqlens_kv: Any
+    max_seqlen_kv: Any
+    num_empty_rows: Any
+    has_empty: Any
+    all_rows_active: Any
+
+
+def plan_context_chunks(
+    query_lens: Any, context_lens: Any, chunk_tokens: int, *, align: int = 1
+) -> ContextChunkPlan:
+    """Split each request's cached context into chunks of at most ``chunk_tokens`` tokens in all.
+
+    Chunking rule: the W = ``chunk_tokens // R`` (rounded down to a multiple of ``align``)
+    context tokens ``[c * W, (c + 1) * W)`` of every request form chunk c, where R is the
+    number of requests that have context; so a chunk holds at most ``R * W <= chunk_tokens``
+    tokens and there are ``ceil(max(context_lens) / W)`` chunks. A request whose context ends
+    before chunk c is empty in chunk c.
+
+    Args:
+        query_lens: ``[B]`` CPU integers (torch tensor, numpy array or sequence), new tokens
+            of each request (>= 0).
+        context_lens: ``[B]`` CPU integers, cached context length of each request (>= 0).
+        chunk_tokens: the workspace budget: context tokens per chunk over the whole batch.
+        align: chunk width multiple (e.g. the KV page size).
+
+    Raises ``ValueError`` for lengths not on the CPU, not 1-D, empty, negative or of different
+    batch sizes, and for a budget too small for one token (aligned) per request.
+    """
+    as_torch = _is_torch(query_lens) or _is_torch(context_lens)
+    q = _lengths(query_lens, "query_lens")
+    ctx = _lengths(context_lens, "context_lens")
+    if q.shape != ctx.shape:
+        raise ValueError(f"query_lens and context_lens: batch sizes differ ({q.shape[0]} vs {ctx.shape[0]})")
+    for name, v in (("chunk_tokens", chunk_tokens), ("align", align)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+        if v <= 0:
+            raise ValueError(f"{name}: expected > 0, got {v}")
+    with_context = int((ctx > 0).sum())
+    width = (chunk_tokens // max(with_context, 1)) // align * align
+    if width == 0:
+        raise ValueError(
+            f"chunk_tokens: {chunk_tokens} is too small for {with_context} requests with context "
+            f"at align={align} (need at least {with_context * align})"
+        )
+    num_chunks = int(-(-int(ctx.max()) // width))
+
+    first = np.arange(num_chunks, dtype=np.int64)[:, None] * width  # [C, 1]
+    starts = np.minimum(first, ctx[None, :])
+    lens = np.minimum(ctx[None, :], first + width) - starts
+    cu_kv = np.zeros((num_chunks, q.shape[0] + 1), dtype=np.int64)
+    np.cumsum(lens, axis=1, out=cu_kv[:, 1:])
+    num_empty = ((lens == 0) * q[None, :]).sum(axis=1)
+    cu_q = np.zeros(q.shape[0] + 1, dtype=np.int64)
+    np.cumsum(q, out=cu_q[1:])
+    for name, arr in (("query offsets", cu_q), ("context offsets", cu_kv)):
+        if arr.size and arr.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"{name} exceed int32 (max {arr.max()})")
+
+    convert = _to_torch if as_torch else (lambda a: a)
+    return ContextChunkPlan(
+        num_chunks=num_chunks,
+        chunk_width=int(width),
+        cu_seqlens_q=convert(cu_q.astype(np.int32)),
+        starts=convert(starts.astype(np.int32)),
+        lens=convert(lens.astype(np.int32)),
+        cu_seqlens_kv=convert(cu_kv.astype(np.int32)),
+        max_seqlen_kv=convert(lens.max(axis=1, initial=0).astype(np.int32)),
+        num_empty_rows=convert(num_empty.astype(np.int32)),
+        has_empty=convert(num_empty > 0),
+        all_rows_active=convert(num_empty == 0),
+    )
+
+
+def _is_torch(x: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _lengths(x: Any, arg: str) -> np.ndarray:
+    if _is_torch(x):
+        if x.device.type != "cpu":
+            raise ValueError(f"{arg}: must be on the CPU (planning never syncs a device), got {x.device}")
+        a = x.numpy()
+    elif hasattr(x, "__dlpack_device__") and x.__dlpack_device__()[0] != 1:
+        raise ValueError(f"{arg}: must be on the CPU (planning never syncs a device)")
+    else:
+        a = np.asarray(x)
+    if a.ndim != 1:
+        raise ValueError(f"{arg}: expected a 1-D sequence of lengths, got shape {a.shape}")
+    if a.shape[0] == 0:
+        raise ValueError(f"{arg}: empty batch")
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{arg}: expected integers, got dtype {a.dtype}")
+    if (a < 0).any():
+        raise ValueError(f"{arg}: negative length {int(a.min())} at index {int(np.argmin(a))}")
+    return a.astype(np.int64)
+
+
+def _to_torch(a: np.ndarray) -> Any:
+    return sys.modules["torch"].from_numpy(np.ascontiguousarray(a))
