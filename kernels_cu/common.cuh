@@ -57,6 +57,41 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, VEC>& x) {
   *reinterpret_cast<Pack<T, VEC>*>(p) = x;
 }
 
+template <typename T> struct is_fp8 { static constexpr bool value = false; };
+template <> struct is_fp8<zk_fp8_e4m3> { static constexpr bool value = true; };
+
+// Two floats to two packed 16-bit values in one instruction (lo in the low half).
+template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack2<zk_bfloat16>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ unsigned pack2<zk_half>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// VEC floats to a Pack of T: fp8 outputs are scaled (merged / out_scale) and saturated, the
+// 16-bit ones converted in pairs, float copied.
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> convert_pack(const float* x, float scale) {
+  Pack<T, VEC> o;
+  if constexpr (is_fp8<T>::value) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o.v[j] = from_float<T>(x[j] * scale);
+  } else if constexpr (sizeof(T) == 2 && VEC % 2 == 0) {
+    unsigned* w = reinterpret_cast<unsigned*>(o.v);
+#pragma unroll
+    for (int j = 0; j < VEC / 2; ++j) w[j] = pack2<T>(x[2 * j], x[2 * j + 1]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) o.v[j] = from_float<T>(x[j]);
+  }
+  return o;
+}
+
 // Offsets (cu_seqlens, kv_lens) come as int32 or int64; all index math is 64-bit.
 __device__ __forceinline__ i64 load_index(const void* p, int is64, i64 i) {
   return is64 ? static_cast<const i64*>(p)[i] : (i64) static_cast<const int*>(p)[i];

@@ -7,16 +7,17 @@
 // hold NaN/Inf scratch); two empty inputs give (0, -inf). NaN in an LSE propagates to the row.
 #include "common.cuh"
 
-// Per-row coefficients: out = bias + ca * V_a + cb * V_b, and the row's output LSE.
+// Per-row coefficients: out = ca * V_a + cb * V_b (a zero coefficient: that V is not read),
+// and the row's output LSE.
 struct RowCoef {
-  float ca, cb, bias, lse;
+  float ca, cb, lse;
 };
 
 // Combine two LSEs; k = log2(base), inv_k = 1 / k.
 __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float inv_k) {
-  RowCoef c{0.f, 0.f, 0.f, neg_inf()};
-  if (isnan(la) || isnan(lb)) {  // a bug upstream: make it visible, never read V
-    c.bias = quiet_nan();
+  RowCoef c{0.f, 0.f, neg_inf()};
+  if (isnan(la) || isnan(lb)) {  // a bug upstream: make it visible (NaN * V_a is NaN whatever V_a)
+    c.ca = quiet_nan();
     c.lse = quiet_nan();
     return c;
   }
@@ -44,7 +45,7 @@ __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float i
 constexpr int U = 4;
 
 template <typename Tin, typename Tout, int VEC>
-__global__ void merge_state_kernel(
+__global__ void __launch_bounds__(128) merge_state_kernel(
     const Tin* va, i64 va_st, i64 va_sh,
     const Tin* vb, i64 vb_st, i64 vb_sh,
     Tout* out, i64 out_st, i64 out_sh,
@@ -64,7 +65,7 @@ __global__ void merge_state_kernel(
   const i64 row = tile * 32 + lane;
 
   // -- phase 1: this lane's row --
-  RowCoef c{0.f, 0.f, 0.f, neg_inf()};
+  RowCoef c{0.f, 0.f, neg_inf()};
   int live = row < rows;
   i64 t = 0, h = 0;
   if (live) {
@@ -86,9 +87,6 @@ __global__ void merge_state_kernel(
       c = combine2(la, lb, k, inv_k);
     }
   }
-  const i64 off_a = t * va_st + h * va_sh;
-  const i64 off_b = t * vb_st + h * vb_sh;
-  const i64 off_o = t * out_st + h * out_sh;
 
   // -- phase 2: the tile's V data --
   const int per_pass = 32 / (int)lanes;
@@ -96,39 +94,36 @@ __global__ void merge_state_kernel(
   const int col = lane % (int)lanes;
   const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
   for (int p0 = 0; p0 < (int)lanes; p0 += U) {  // lanes passes cover the 32 rows
-    float ca[U], cb[U], bias[U];
-    i64 oa[U], ob[U], oo[U];
-    int lv[U];
+    float ca[U], cb[U];
+    int tu[U], hu[U];  // T and H < 2^31 (checked on the host); tu < 0: no row to write
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int src = ((p0 + u) * per_pass + sub) & 31;
       ca[u] = __shfl_sync(0xffffffffu, c.ca, src);
       cb[u] = __shfl_sync(0xffffffffu, c.cb, src);
-      bias[u] = __shfl_sync(0xffffffffu, c.bias, src);
-      oa[u] = __shfl_sync(0xffffffffu, off_a, src);
-      ob[u] = __shfl_sync(0xffffffffu, off_b, src);
-      oo[u] = __shfl_sync(0xffffffffu, off_o, src);
-      lv[u] = __shfl_sync(0xffffffffu, live, src) && p0 + u < (int)lanes;
+      tu[u] = __shfl_sync(0xffffffffu, live ? (int)t : -1, src);
+      hu[u] = __shfl_sync(0xffffffffu, (int)h, src);
+      if (p0 + u >= (int)lanes) tu[u] = -1;
     }
     for (i64 d = (i64)col * VEC; d < D; d += lanes * VEC) {
       Pack<Tin, VEC> a[U], b[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) {  // every load first: 2 x U in flight
-        if (lv[u] && ca[u] != 0.f) a[u] = load_pack<Tin, VEC>(va + oa[u] + d);
-        if (lv[u] && cb[u] != 0.f) b[u] = load_pack<Tin, VEC>(vb + ob[u] + d);
+        if (tu[u] >= 0 && ca[u] != 0.f) a[u] = load_pack<Tin, VEC>(va + tu[u] * va_st + hu[u] * va_sh + d);
+        if (tu[u] >= 0 && cb[u] != 0.f) b[u] = load_pack<Tin, VEC>(vb + tu[u] * vb_st + hu[u] * vb_sh + d);
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (!lv[u]) continue;
-        Pack<Tout, VEC> o;
+        if (tu[u] < 0) continue;
+        float acc[VEC];
 #pragma unroll
         for (int j = 0; j < VEC; ++j) {
-          float acc = bias[u];
-          if (ca[u] != 0.f) acc += ca[u] * to_float(a[u].v[j]);
-          if (cb[u] != 0.f) acc += cb[u] * to_float(b[u].v[j]);
-          o.v[j] = from_float<Tout>(acc * inv_scale);
+          acc[j] = 0.f;
+          if (ca[u] != 0.f) acc[j] += ca[u] * to_float(a[u].v[j]);
+          if (cb[u] != 0.f) acc[j] += cb[u] * to_float(b[u].v[j]);
         }
-        store_pack<Tout, VEC>(out + oo[u] + d, o);
+        const Pack<Tout, VEC> o = convert_pack<Tout, VEC>(acc, inv_scale);
+        store_pack<Tout, VEC>(out + tu[u] * out_st + hu[u] * out_sh + d, o);
       }
     }
   }

@@ -5,10 +5,15 @@ requests that had no KV, and planning on the CPU which chunks need that at all. 
 compiled at run time by NVRTC through CuPy and receive torch (or any DLPack) tensors zero-copy.
 """
 
+import contextlib
+
 from .fixup import fixup_zero_kv_rows
 from .mask import mask_empty_context
 from .merge import merge_state, merge_states
 from .plan import ContextChunkPlan, plan_context_chunks
+
+with contextlib.suppress(ImportError):  # torch.ops.zerokv.* when torch is installed
+    from . import torch_ops  # noqa: F401
 
 __all__ = [
     "ContextChunkPlan",

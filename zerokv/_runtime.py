@@ -163,17 +163,27 @@ def _driver() -> _Driver:
 
 
 class _Packer:
-    """``struct`` layout of a kernel's parameters (each at its natural alignment, as the C ABI)."""
+    """``struct`` layout of a kernel's parameters (each at its natural alignment, as the C ABI)
+    and, per thread, one reusable argument buffer with its ``extra`` array."""
 
     def __init__(self, fmt: str) -> None:
         self.struct = struct.Struct(fmt)
         self.size = ctypes.c_size_t(self.struct.size)
-        self.size_ptr = ctypes.addressof(self.size)
+        self.local = threading.local()
+
+    def buffers(self) -> tuple[Any, Any]:
+        try:
+            return self.local.buffers
+        except AttributeError:
+            buf = ctypes.create_string_buffer(self.struct.size)
+            extra = (ctypes.c_void_p * 5)(
+                _BUFFER_POINTER, ctypes.addressof(buf), _BUFFER_SIZE, ctypes.addressof(self.size), _END
+            )
+            self.local.buffers = (buf, extra)
+            return self.local.buffers
 
 
-@cache
-def _packer(fmt: str) -> _Packer:
-    return _Packer(fmt)
+_packers: dict[str, _Packer] = {}
 
 
 def launch(
@@ -191,11 +201,12 @@ def launch(
     ``fmt``: the ``struct`` format of the kernel's parameter list (``q`` for pointers and 64-bit
     integers, ``f`` for float), ``args`` the values in order.
     """
-    fn = function(stem, expr, device)
-    packer = _packer(fmt)
-    buf = ctypes.create_string_buffer(packer.struct.size)
-    packer.struct.pack_into(buf, 0, *args)
-    extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buf), _BUFFER_SIZE, packer.size_ptr, _END)
+    fn = _functions.get((stem, expr, device)) or function(stem, expr, device)
+    packer = _packers.get(fmt)
+    if packer is None:
+        packer = _packers.setdefault(fmt, _Packer(fmt))
+    buf, extra = packer.buffers()
+    packer.struct.pack_into(buf, 0, *args)  # the driver copies the arguments at launch
     cupy = sys.modules["cupy"]
     if cupy.cuda.runtime.getDevice() == device:
         err = _driver().launch(fn.ptr, *grid, *block, 0, stream, None, extra)

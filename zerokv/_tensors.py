@@ -45,13 +45,16 @@ def _torch_dtypes(torch: Any) -> dict[Any, str]:
     return _TORCH_DTYPES
 
 
+_new = tuple.__new__  # skips NamedTuple's Python-level __new__ on the hot path
+
+
 def torch_view(t: Any) -> Tensor:
     """The torch fast path: the facts DLPack would export, read directly."""
     dtypes = _TORCH_DTYPES or _torch_dtypes(sys.modules["torch"])
     dtype = dtypes.get(t.dtype)
     if dtype is None:
         dtype = str(t.dtype).removeprefix("torch.")
-    return Tensor(t, t.data_ptr(), tuple(t.shape), t.stride(), dtype, t.get_device(), True)
+    return _new(Tensor, (t, t.data_ptr(), t.shape, t.stride(), dtype, t.get_device(), True))
 
 
 # --- DLPack (legacy, unversioned capsule "dltensor") -------------------------------------------
@@ -128,9 +131,16 @@ def is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+_torch_tensor_type: list[type] = []  # torch.Tensor, once torch has been seen
+
+
 def view(x: Any, arg: str) -> Tensor:
     """Any tensor-like to a :class:`Tensor`; ``TypeError`` naming ``arg`` otherwise."""
+    if _torch_tensor_type and type(x) is _torch_tensor_type[0]:
+        return torch_view(x)
     if is_torch(x):
+        if not _torch_tensor_type:
+            _torch_tensor_type.append(sys.modules["torch"].Tensor)
         return torch_view(x)
     if isinstance(x, np.ndarray):
         return _numpy_view(x)

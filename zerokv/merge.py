@@ -10,7 +10,8 @@ import numpy as np
 from . import _checks, _dtypes, _host, _runtime, reference
 from ._tensors import Tensor
 
-_THREADS = 256  # per block
+_THREADS = 256  # per block (merge_states)
+_TILE_THREADS = 128  # per block of merge_state_kernel: 4 warps, each a tile of 32 rows
 
 _runtime.register(
     "merge",
@@ -112,6 +113,8 @@ def merge_two(
     _checks.shape(sb, n_sb, (T, H), "T, H")
     _checks.unit_last_stride(va, n_va)
     _checks.unit_last_stride(vb, n_vb)
+    if T >= 2**31 or H >= 2**31:
+        raise ValueError(f"{n_va}: T and H must be below 2^31, got shape {(T, H, D)}")
     named = [(n_va, va), (n_sa, sa), (n_vb, vb), (n_sb, sb)]
 
     o = None
@@ -196,9 +199,9 @@ def merge_two(
         mask.ptr if mask else 0, k, inv_k, scale.ptr if scale else 0,
     )  # fmt: skip
     expr = f"merge_state_kernel<{_dtypes.ctype(va.dtype)}, {_dtypes.ctype(o.dtype)}, {vec}>"
-    grid = ((T * H + _THREADS - 1) // _THREADS, 1, 1)  # one warp per 32 rows
+    grid = ((T * H + _TILE_THREADS - 1) // _TILE_THREADS, 1, 1)  # one warp per 32 rows
     stream = _runtime.stream_for(va)
-    _runtime.launch("merge", expr, device, stream, grid, (_THREADS, 1, 1), _MERGE_STATE_ARGS, args)
+    _runtime.launch("merge", expr, device, stream, grid, (_TILE_THREADS, 1, 1), _MERGE_STATE_ARGS, args)
     return out, out_lse
 
 

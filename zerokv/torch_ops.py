@@ -1,0 +1,113 @@
+"""``torch.ops.zerokv.*``: the ops registered with torch.library, for torch.compile and graphs.
+
+Registered through ``torch.library.Library`` define/impl (the ``custom_op`` decorator adds tens
+of µs per call), with the mutated arguments annotated in the schemas and fake implementations
+so that torch.compile can trace them without running them::
+
+    torch.ops.zerokv.merge_state(v_a, s_a, v_b, s_b)                    -> (out, out_lse)
+    torch.ops.zerokv.merge_state_out(v_a, s_a, v_b, s_b, out, out_lse)  -> ()  (writes out, out_lse)
+    torch.ops.zerokv.merge_states(v, s)                                 -> (out, out_lse)
+    torch.ops.zerokv.fixup_zero_kv_rows(out, lse, kv_lens, cu_seqlens_q)        -> ()  (in place)
+    torch.ops.zerokv.mask_empty_context(out, lse, cu_seqlens_q, cu_seqlens_kv)  -> ()  (in place)
+
+Importing :mod:`zerokv` registers them when torch is installed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fixup import fixup_zero_kv_rows
+from .mask import mask_empty_context
+from .merge import merge_state, merge_states
+
+_lib = torch.library.Library("zerokv", "DEF")
+
+_lib.define(
+    "merge_state(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, str lse_base='e', "
+    "SymInt? prefix_rows=None, Tensor? a_cu_seqlens_q=None, Tensor? a_kv_lens=None) -> (Tensor, Tensor)"
+)
+_lib.define(
+    "merge_state_out(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, Tensor(a!) out, Tensor(b!)? out_lse, "
+    "str lse_base='e', SymInt? prefix_rows=None, Tensor? a_cu_seqlens_q=None, Tensor? a_kv_lens=None, "
+    "Tensor? out_scale=None) -> ()"
+)
+_lib.define("merge_states(Tensor v, Tensor s, str lse_base='e') -> (Tensor, Tensor)")
+_lib.define("fixup_zero_kv_rows(Tensor(a!) out, Tensor(b!) lse, Tensor kv_lens, Tensor cu_seqlens_q) -> ()")
+_lib.define(
+    "mask_empty_context(Tensor(a!) out, Tensor(b!) lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv) -> ()"
+)
+
+
+def _pair(a, b):
+    return None if a is None else (a, b)
+
+
+def _merge_state(v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, a_cu_seqlens_q=None, a_kv_lens=None):
+    return merge_state(
+        v_a,
+        s_a,
+        v_b,
+        s_b,
+        lse_base=lse_base,
+        prefix_rows=prefix_rows,
+        a_empty=_pair(a_cu_seqlens_q, a_kv_lens),
+    )
+
+
+def _merge_state_out(
+    v_a,
+    s_a,
+    v_b,
+    s_b,
+    out,
+    out_lse,
+    lse_base="e",
+    prefix_rows=None,
+    a_cu_seqlens_q=None,
+    a_kv_lens=None,
+    out_scale=None,
+):
+    merge_state(
+        v_a, s_a, v_b, s_b, out=out, out_lse=out_lse, lse_base=lse_base, prefix_rows=prefix_rows,
+        a_empty=_pair(a_cu_seqlens_q, a_kv_lens), out_scale=out_scale,
+    )  # fmt: skip
+
+
+def _merge_states(v, s, lse_base="e"):
+    return merge_states(v, s, lse_base=lse_base)
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("merge_state", _merge_state, _key)
+    _lib.impl("merge_state_out", _merge_state_out, _key)
+    _lib.impl("merge_states", _merge_states, _key)
+    _lib.impl("fixup_zero_kv_rows", fixup_zero_kv_rows, _key)
+    _lib.impl("mask_empty_context", mask_empty_context, _key)
+
+
+@torch.library.register_fake("zerokv::merge_state", lib=_lib)
+def _merge_state_fake(
+    v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, a_cu_seqlens_q=None, a_kv_lens=None
+):
+    return torch.empty_like(v_a, memory_format=torch.contiguous_format), s_a.new_empty(s_a.shape)
+
+
+@torch.library.register_fake("zerokv::merge_states", lib=_lib)
+def _merge_states_fake(v, s, lse_base="e"):
+    return v.new_empty(v.shape[1:]), s.new_empty(s.shape[1:])
+
+
+@torch.library.register_fake("zerokv::merge_state_out", lib=_lib)
+def _merge_state_out_fake(*args, **kwargs):
+    return None
+
+
+@torch.library.register_fake("zerokv::fixup_zero_kv_rows", lib=_lib)
+def _fixup_fake(out, lse, kv_lens, cu_seqlens_q):
+    return None
+
+
+@torch.library.register_fake("zerokv::mask_empty_context", lib=_lib)
+def _mask_fake(out, lse, cu_seqlens_q, cu_seqlens_kv):
+    return None
