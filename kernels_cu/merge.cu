@@ -131,65 +131,95 @@ __global__ void __launch_bounds__(128) merge_state_kernel(
 }
 
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both
-// [N, T, H, D] and [T, N, H, D] layouts work. Empty inputs are skipped without reading V.
+// [N, T, H, D] and [T, N, H, D] layouts work. Same warp tiles as merge_state_kernel: lane i
+// reduces row i's N LSEs (max, then the sum of weights) and writes its LSE; the warp then sweeps
+// the tile's V, each lane recomputing an input's weight from its LSE (an L1 hit) and skipping
+// the V of empty inputs and of inputs whose weight underflows to 0.
 template <typename Tin, typename Tout, int VEC>
-__global__ void merge_states_kernel(
+__global__ void __launch_bounds__(128) merge_states_kernel(
     const Tin* __restrict__ v, i64 v_sn, i64 v_st, i64 v_sh,
     const float* __restrict__ s, i64 s_sn, i64 s_st, i64 s_sh,
     Tout* __restrict__ out, i64 out_st, i64 out_sh,
     float* __restrict__ olse, i64 ol_st, i64 ol_sh,
-    i64 N, i64 T, i64 H, i64 D, float k, float inv_k, const float* out_scale) {
-  const int lanes = blockDim.x;
-  const int lane = threadIdx.x;
-  const i64 row = (i64)blockIdx.x * blockDim.y + threadIdx.y;
-  if (row >= T * H) return;  // no shuffles below: an early exit is safe
-  const i64 t = row / H;
-  const i64 h = row - t * H;
-  const float* ps = s + t * s_st + h * s_sh;
+    i64 N, i64 T, i64 H, i64 D, i64 lanes, float k, float inv_k, const float* out_scale) {
+  const int lane = threadIdx.x & 31;
+  const i64 rows = T * H;
+  const i64 tile = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const i64 row = tile * 32 + lane;
 
-  // Every lane reduces the N LSEs itself (broadcast loads from L1): no shuffles needed.
-  float m = neg_inf();
-  bool any_nan = false;
-  for (i64 n = 0; n < N; ++n) {
-    const float x = ps[n * s_sn];
-    any_nan |= isnan(x);
-    if (!is_empty_lse(x)) m = fmaxf(m, x);
-  }
-  float sum = 0.f;
-  if (!any_nan && m != neg_inf()) {
+  // -- phase 1: this lane's row: m = max of the non-empty LSEs, scale = 1 / sum of weights --
+  const int live = row < rows;
+  i64 t = 0, h = 0;
+  float m = neg_inf(), scale = 0.f;
+  if (live) {
+    split_row(row, H, rows, t, h);
+    const float* ps = s + t * s_st + h * s_sh;
+    bool nan = false;
     for (i64 n = 0; n < N; ++n) {
       const float x = ps[n * s_sn];
-      if (!is_empty_lse(x)) sum += exp2f((x - m) * k);
+      nan |= isnan(x);
+      if (!is_empty_lse(x)) m = fmaxf(m, x);
     }
-  }
-  const float inv_sum = sum > 0.f ? 1.f / sum : 0.f;
-  const float bias = any_nan ? quiet_nan() : 0.f;
-  const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
-
-  const Tin* pv = v + t * v_st + h * v_sh;
-  Tout* po = out + t * out_st + h * out_sh;
-  for (i64 d = (i64)lane * VEC; d < D; d += (i64)lanes * VEC) {
-    float acc[VEC];
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = bias;
-    if (sum > 0.f) {
+    float sum = 0.f;
+    if (!nan && m != neg_inf()) {
       for (i64 n = 0; n < N; ++n) {
         const float x = ps[n * s_sn];
-        if (is_empty_lse(x)) continue;
-        const float w = exp2f((x - m) * k) * inv_sum;
-        if (w == 0.f) continue;
-        const Pack<Tin, VEC> a = load_pack<Tin, VEC>(pv + n * v_sn + d);
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[j] += w * to_float(a.v[j]);
+        if (!is_empty_lse(x)) sum += fast_exp2((x - m) * k);
       }
+      scale = 1.f / sum;
     }
-    Pack<Tout, VEC> o;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) o.v[j] = from_float<Tout>(acc[j] * inv_scale);
-    store_pack<Tout, VEC>(po + d, o);
+    if (olse != nullptr)
+      olse[t * ol_st + h * ol_sh] = nan ? quiet_nan() : (sum > 0.f ? m + fast_log2(sum) * inv_k : neg_inf());
+    if (nan) {  // every weight becomes NaN: the row shows the bug
+      m = 0.f;
+      scale = quiet_nan();
+    }
   }
-  if (lane == 0 && olse != nullptr) {
-    olse[t * ol_st + h * ol_sh] =
-        any_nan ? quiet_nan() : (sum > 0.f ? m + log2f(sum) * inv_k : neg_inf());
+
+  // -- phase 2: the tile's V data, U rows per pass in flight --
+  const int per_pass = 32 / (int)lanes;
+  const int sub = lane / (int)lanes;
+  const int col = lane % (int)lanes;
+  const float inv_out = out_scale != nullptr ? 1.f / *out_scale : 1.f;
+  for (int p0 = 0; p0 < (int)lanes; p0 += U) {
+    float mu[U], su[U];
+    int tu[U], hu[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int src = ((p0 + u) * per_pass + sub) & 31;
+      mu[u] = __shfl_sync(0xffffffffu, m, src);
+      su[u] = __shfl_sync(0xffffffffu, scale, src);
+      tu[u] = __shfl_sync(0xffffffffu, live ? (int)t : -1, src);
+      hu[u] = __shfl_sync(0xffffffffu, (int)h, src);
+      if (p0 + u >= (int)lanes) tu[u] = -1;
+    }
+    for (i64 d = (i64)col * VEC; d < D; d += lanes * VEC) {
+      float acc[U][VEC];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) acc[u][j] = 0.f;
+      for (i64 n = 0; n < N; ++n) {
+        Pack<Tin, VEC> x[U];
+        float w[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {  // every load of this input first: U in flight
+          w[u] = 0.f;
+          if (tu[u] < 0 || su[u] == 0.f) continue;
+          const float l = s[n * s_sn + tu[u] * s_st + hu[u] * s_sh];
+          if (is_empty_lse(l)) continue;
+          w[u] = fast_exp2((l - mu[u]) * k) * su[u];
+          if (w[u] != 0.f) x[u] = load_pack<Tin, VEC>(v + n * v_sn + tu[u] * v_st + hu[u] * v_sh + d);
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (w[u] != 0.f)
+#pragma unroll
+            for (int j = 0; j < VEC; ++j) acc[u][j] += w[u] * to_float(x[u].v[j]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (tu[u] >= 0) store_pack<Tout, VEC>(out + tu[u] * out_st + hu[u] * out_sh + d, convert_pack<Tout, VEC>(acc[u], inv_out));
+    }
   }
 }

@@ -10,8 +10,7 @@ import numpy as np
 from . import _checks, _dtypes, _host, _runtime, reference
 from ._tensors import Tensor
 
-_THREADS = 256  # per block (merge_states)
-_TILE_THREADS = 128  # per block of merge_state_kernel: 4 warps, each a tile of 32 rows
+_TILE_THREADS = 128  # per block: 4 warps, each merging a tile of 32 rows
 
 _runtime.register(
     "merge",
@@ -28,7 +27,7 @@ _LOG2E = math.log2(math.e)
 _BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
 # struct layouts of the kernels' parameter lists (see kernels_cu/merge.cu)
 _MERGE_STATE_ARGS = "<29q2fq"
-_MERGE_STATES_ARGS = "<18q2fq"
+_MERGE_STATES_ARGS = "<19q2fq"
 
 
 def merge_state(
@@ -265,21 +264,18 @@ def merge_states(
         return out, out_lse
 
     vec = _vector_width(vt.dtype, o.dtype, D, (vt,), o, extra_strides=(vt.strides[0],))
-    lanes = _lanes(D, vec)
-    rows = _THREADS // lanes
     k, inv_k = _BASES[base]
     args = (
         vt.ptr, vt.strides[0], vt.strides[1], vt.strides[2],
         st.ptr, st.strides[0], st.strides[1], st.strides[2],
         o.ptr, o.strides[0], o.strides[1],
         ol.ptr if ol is not None else 0, ol.strides[0] if ol else 0, ol.strides[1] if ol else 0,
-        N, T, H, D, k, inv_k, scale.ptr if scale else 0,
+        N, T, H, D, _lanes(D, vec), k, inv_k, scale.ptr if scale else 0,
     )  # fmt: skip
     expr = f"merge_states_kernel<{_dtypes.ctype(vt.dtype)}, {_dtypes.ctype(o.dtype)}, {vec}>"
-    grid = ((T * H + rows - 1) // rows, 1, 1)
-    _runtime.launch(
-        "merge", expr, device, _runtime.stream_for(vt), grid, (lanes, rows, 1), _MERGE_STATES_ARGS, args
-    )
+    grid = ((T * H + _TILE_THREADS - 1) // _TILE_THREADS, 1, 1)  # one warp per 32 rows
+    stream = _runtime.stream_for(vt)
+    _runtime.launch("merge", expr, device, stream, grid, (_TILE_THREADS, 1, 1), _MERGE_STATES_ARGS, args)
     return out, out_lse
 
 
