@@ -318,13 +318,19 @@ def test_runs_on_the_current_torch_stream():
     v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, "cuda", seed=19)
     side = torch.cuda.Stream()
     out = torch.full_like(v_a, NAN)
+    a2 = torch.empty_like(v_a)
+    zerokv.merge_state(a2, s_a, v_b, s_b, out=out)  # a first call on the default stream
     torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        torch.cuda._sleep(50_000_000)  # keep the side stream busy: a launch elsewhere would race
-        a2 = v_a * 1  # produced on the side stream
-        zerokv.merge_state(a2, s_a, v_b, s_b, out=out)
-    side.synchronize()
-    _compare(out, None, v_a, s_a, v_b, s_b, torch.bfloat16)
+    for _ in range(2):  # the second call reuses the prepared launch: it must follow the stream too
+        out.fill_(NAN)
+        a2.fill_(NAN)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # keep the side stream busy: a launch elsewhere would race
+            a2.copy_(v_a)  # produced on the side stream
+            zerokv.merge_state(a2, s_a, v_b, s_b, out=out)
+        side.synchronize()
+        _compare(out, None, v_a, s_a, v_b, s_b, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -354,3 +360,24 @@ def test_zero_size_is_a_no_op_gpu():
         s = torch.empty(shape[:2], device="cuda")
         out, lse = zerokv.merge_state(v, s, v, s)
         assert out.shape == shape and lse.shape == shape[:2]
+
+
+@pytest.mark.gpu
+def test_repeated_calls_reuse_the_prepared_launch_and_see_new_data():
+    T, H, D = 1000, 8, 64
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, "cuda", seed=31)
+    out, lse = torch.empty_like(v_a), torch.empty_like(s_a)
+    for seed in (32, 33, 34):
+        fresh = make_states(T, H, D, torch.bfloat16, "cuda", seed=seed)
+        for dst, src in zip((v_a, s_a, v_b, s_b), fresh, strict=True):
+            dst.copy_(src)
+        out.fill_(NAN)
+        zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
+        _compare(out, lse, *fresh, torch.bfloat16)
+    # same buffers, another layout or base: not the remembered launch
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse, lse_base=2)
+    _compare(out, lse, v_a, s_a, v_b, s_b, torch.bfloat16, base=2)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=None)
+    _compare(out, None, v_a, s_a, v_b, s_b, torch.bfloat16)
+    with pytest.raises(ValueError, match="prefix_rows"):
+        zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse, prefix_rows=T + 1)

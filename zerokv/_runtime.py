@@ -162,28 +162,64 @@ def _driver() -> _Driver:
     return _Driver()
 
 
-class _Packer:
-    """``struct`` layout of a kernel's parameters (each at its natural alignment, as the C ABI)
-    and, per thread, one reusable argument buffer with its ``extra`` array."""
+class Launch:
+    """One fully prepared launch: the kernel, its geometry and its packed arguments.
 
-    def __init__(self, fmt: str) -> None:
-        self.struct = struct.Struct(fmt)
-        self.size = ctypes.c_size_t(self.struct.size)
-        self.local = threading.local()
+    Built once per distinct call (ops keep the ones made for torch tensors in :data:`launches`,
+    keyed on every input's pointer, shape, strides, dtype and device, so a repeated call skips
+    validation and packing); run on the caller's current stream each time.
+    """
 
-    def buffers(self) -> tuple[Any, Any]:
-        try:
-            return self.local.buffers
-        except AttributeError:
-            buf = ctypes.create_string_buffer(self.struct.size)
-            extra = (ctypes.c_void_p * 5)(
-                _BUFFER_POINTER, ctypes.addressof(buf), _BUFFER_SIZE, ctypes.addressof(self.size), _END
-            )
-            self.local.buffers = (buf, extra)
-            return self.local.buffers
+    __slots__ = ("expr", "ptr", "device", "grid", "block", "buf", "extra", "size")
+
+    def __init__(
+        self, stem: str, expr: str, device: int, grid: tuple, block: tuple, fmt: str, args: tuple
+    ) -> None:
+        self.expr = expr
+        self.ptr = function(stem, expr, device).ptr
+        self.device = device
+        self.grid = grid
+        self.block = block
+        packer = struct.Struct(fmt)
+        self.buf = ctypes.create_string_buffer(packer.size)
+        packer.pack_into(self.buf, 0, *args)  # the driver copies the arguments at each launch
+        self.size = ctypes.c_size_t(packer.size)
+        self.extra = (ctypes.c_void_p * 5)(
+            _BUFFER_POINTER, ctypes.addressof(self.buf), _BUFFER_SIZE, ctypes.addressof(self.size), _END
+        )
+
+    def __call__(self, stream: int) -> None:
+        cupy = sys.modules["cupy"]
+        launch = _driver().launch
+        if cupy.cuda.runtime.getDevice() == self.device:
+            err = launch(self.ptr, *self.grid, *self.block, 0, stream, None, self.extra)
+            if err == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched CUDA yet
+                with cupy.cuda.Device(self.device):
+                    cupy.cuda.runtime.free(0)  # binds the device's primary context to this thread
+                    err = launch(self.ptr, *self.grid, *self.block, 0, stream, None, self.extra)
+        else:
+            with cupy.cuda.Device(self.device):
+                err = launch(self.ptr, *self.grid, *self.block, 0, stream, None, self.extra)
+        if err:
+            raise RuntimeError(f"zerokv: launching {self.expr} failed: {_driver().error_name(err)} ({err})")
 
 
-_packers: dict[str, _Packer] = {}
+class LaunchCache(dict):
+    """Prepared launches by call key; cleared when it grows past ``limit`` entries."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def remember(self, key: Any, launch: Launch) -> None:
+        if key is None:
+            return
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = launch
+
+
+launches = LaunchCache()
 
 
 def launch(
@@ -195,27 +231,14 @@ def launch(
     block: tuple[int, int, int],
     fmt: str,
     args: tuple[Any, ...],
+    key: Any = None,
 ) -> None:
     """Launch ``expr`` on ``stream`` in ``device``'s context (switching only when needed).
 
     ``fmt``: the ``struct`` format of the kernel's parameter list (``q`` for pointers and 64-bit
-    integers, ``f`` for float), ``args`` the values in order.
+    integers, ``f`` for float), ``args`` the values in order. ``key``: remember the prepared
+    launch under it (see :func:`zerokv._tensors.torch_key`).
     """
-    fn = _functions.get((stem, expr, device)) or function(stem, expr, device)
-    packer = _packers.get(fmt)
-    if packer is None:
-        packer = _packers.setdefault(fmt, _Packer(fmt))
-    buf, extra = packer.buffers()
-    packer.struct.pack_into(buf, 0, *args)  # the driver copies the arguments at launch
-    cupy = sys.modules["cupy"]
-    if cupy.cuda.runtime.getDevice() == device:
-        err = _driver().launch(fn.ptr, *grid, *block, 0, stream, None, extra)
-        if err == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched CUDA yet
-            with cupy.cuda.Device(device):
-                cupy.cuda.runtime.free(0)  # binds the device's primary context to this thread
-                err = _driver().launch(fn.ptr, *grid, *block, 0, stream, None, extra)
-    else:
-        with cupy.cuda.Device(device):
-            err = _driver().launch(fn.ptr, *grid, *block, 0, stream, None, extra)
-    if err:
-        raise RuntimeError(f"zerokv: launching {expr} failed: {_driver().error_name(err)} ({err})")
+    prepared = Launch(stem, expr, device, grid, block, fmt, args)
+    launches.remember(key, prepared)
+    prepared(stream)

@@ -57,6 +57,24 @@ def torch_view(t: Any) -> Tensor:
     return _new(Tensor, (t, t.data_ptr(), t.shape, t.stride(), dtype, t.get_device(), True))
 
 
+def torch_key(*xs: Any) -> tuple | None:
+    """What a validated call depends on, for CUDA torch tensors (``None`` entries allowed):
+    pointer, shape, strides, dtype, device of each. ``None`` if any is not a plain torch tensor
+    or lives on the host, so only GPU calls of torch tensors are remembered."""
+    if not _torch_tensor_type:
+        return None
+    tensor_type = _torch_tensor_type[0]
+    key = []
+    for x in xs:
+        if x is None:
+            key.append(None)
+        elif type(x) is tensor_type and x.is_cuda:
+            key.append((x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device()))
+        else:
+            return None
+    return tuple(key)
+
+
 # --- DLPack (legacy, unversioned capsule "dltensor") -------------------------------------------
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from . import _checks, _dtypes, _host, _runtime, reference
-from ._tensors import Tensor
+from ._tensors import Tensor, torch_key
 
 _THREADS = 512
 _BLOCKS_PER_SM = 2  # a persistent grid: enough 16-byte stores in flight to fill the bus
@@ -34,6 +35,14 @@ def run(
 ) -> None:
     """Validate and launch. ``lens``: per-request kv lengths ``[B]`` (empty when 0) or, with
     ``lens_are_offsets``, context offsets ``[B + 1]`` (empty when two neighbours are equal)."""
+    key = torch_key(out, lse, cu_seqlens_q, lens)
+    if key is not None:
+        key = (stem, key)
+        prepared = _runtime.launches.get(key)
+        if prepared is not None:  # the same call as before: already validated and packed
+            prepared(sys.modules["torch"]._C._cuda_getCurrentRawStream(prepared.device))
+            return
+
     n_out, n_lse, n_cu, n_lens = names
     o = _checks.tensor(out, n_out, 3, _dtypes.V_IN)
     T, H, D = o.shape
@@ -71,7 +80,7 @@ def run(
     )  # fmt: skip
     expr = f"{kernel}<{_dtypes.ctype(o.dtype)}, {vec}>"
     grid = (_BLOCKS_PER_SM * _runtime.sm_count(device), 1, 1)
-    _runtime.launch(stem, expr, device, _runtime.stream_for(o), grid, (_THREADS, 1, 1), "<14q", args)
+    _runtime.launch(stem, expr, device, _runtime.stream_for(o), grid, (_THREADS, 1, 1), "<14q", args, key)
 
 
 def _vector_width(o: Tensor) -> int:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any
 
 import numpy as np
 
 from . import _checks, _dtypes, _host, _runtime, reference
-from ._tensors import Tensor
+from ._tensors import Tensor, torch_key
 
 _TILE_THREADS = 128  # per block: 4 warps, each merging a tile of 32 rows
 
@@ -99,6 +100,16 @@ def merge_two(
     ``[T]`` bool, rows with False are not touched (FlashInfer ``merge_state_in_place``).
     ``names``: how the arguments are called in error messages (the adapters' own names).
     """
+    key = None
+    if out is not None and _rememberable(lse_base, prefix_rows, a_empty):
+        key = torch_key(v_a, s_a, v_b, s_b, out, out_lse, *(a_empty or (None, None)), row_mask, out_scale)
+        if key is not None:
+            key = ("merge_state", key, lse_base, prefix_rows, suffix_verbatim)
+            prepared = _runtime.launches.get(key)
+            if prepared is not None:  # the same call as before: already validated and packed
+                prepared(_current_stream(prepared.device))
+                return out, out_lse
+
     n_va, n_sa, n_vb, n_sb, n_out, n_lse = names
     va = _checks.tensor(v_a, n_va, 3, _dtypes.V_IN)
     T, H, D = va.shape
@@ -200,7 +211,7 @@ def merge_two(
     expr = f"merge_state_kernel<{_dtypes.ctype(va.dtype)}, {_dtypes.ctype(o.dtype)}, {vec}>"
     grid = ((T * H + _TILE_THREADS - 1) // _TILE_THREADS, 1, 1)  # one warp per 32 rows
     stream = _runtime.stream_for(va)
-    _runtime.launch("merge", expr, device, stream, grid, (_TILE_THREADS, 1, 1), _MERGE_STATE_ARGS, args)
+    _runtime.launch("merge", expr, device, stream, grid, (_TILE_THREADS, 1, 1), _MERGE_STATE_ARGS, args, key)
     return out, out_lse
 
 
@@ -224,6 +235,16 @@ def merge_states(
     Empty inputs are skipped without reading their V; all empty gives ``(0, -inf)``; NaN
     propagates. One launch, no host sync.
     """
+    key = None
+    if out is not None and type(lse_base) in (str, int):
+        key = torch_key(v, s, out, out_lse, out_scale)
+        if key is not None:
+            key = ("merge_states", key, lse_base)
+            prepared = _runtime.launches.get(key)
+            if prepared is not None:  # the same call as before: already validated and packed
+                prepared(_current_stream(prepared.device))
+                return out, out_lse
+
     vt = _checks.tensor(v, "v", 4, _dtypes.V_IN)
     N, T, H, D = vt.shape
     st = _checks.tensor(s, "s", 3, _dtypes.LSE)
@@ -275,11 +296,24 @@ def merge_states(
     expr = f"merge_states_kernel<{_dtypes.ctype(vt.dtype)}, {_dtypes.ctype(o.dtype)}, {vec}>"
     grid = ((T * H + _TILE_THREADS - 1) // _TILE_THREADS, 1, 1)  # one warp per 32 rows
     stream = _runtime.stream_for(vt)
-    _runtime.launch("merge", expr, device, stream, grid, (_TILE_THREADS, 1, 1), _MERGE_STATES_ARGS, args)
+    _runtime.launch("merge", expr, device, stream, grid, (_TILE_THREADS, 1, 1), _MERGE_STATES_ARGS, args, key)
     return out, out_lse
 
 
 # --- helpers ----------------------------------------------------------------------------------
+
+
+def _rememberable(lse_base: Any, prefix_rows: Any, a_empty: Any) -> bool:
+    """Scalars that can key a remembered launch (anything else takes the validating path)."""
+    return (
+        type(lse_base) in (str, int)
+        and (prefix_rows is None or type(prefix_rows) is int)
+        and (a_empty is None or (type(a_empty) is tuple and len(a_empty) == 2))
+    )
+
+
+def _current_stream(device: int) -> int:
+    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
 
 
 def _view_new(x: Any) -> Tensor:
