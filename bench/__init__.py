@@ -1,0 +1,1 @@
+"""zerokv benchmarks: ``python -m bench --help`` (see bench/__main__.py)."""
