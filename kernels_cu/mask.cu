@@ -3,7 +3,7 @@
 #include "empty_rows.cuh"
 
 template <typename T, int VEC>
-__global__ void mask_empty_context_kernel(
+__global__ void __launch_bounds__(256, 4) mask_empty_context_kernel(
     T* out, i64 out_st, i64 out_sh, float* lse, i64 lse_st, i64 lse_sh,
     const void* cu_q, i64 q_is64, const void* cu_kv, i64 kv_is64,
     i64 batch, i64 H, i64 D, i64 flat) {

@@ -58,9 +58,9 @@ def torch_view(t: Any) -> Tensor:
 
 
 def torch_key(*xs: Any) -> tuple | None:
-    """What a validated call depends on, for CUDA torch tensors (``None`` entries allowed):
-    pointer, shape, strides, dtype, device of each. ``None`` if any is not a plain torch tensor
-    or lives on the host, so only GPU calls of torch tensors are remembered."""
+    """What a validated call depends on, for torch tensors (``None`` entries allowed): pointer,
+    shape, strides, dtype, device of each; ``None`` if any is not a plain torch tensor. Only
+    launches are remembered, so host calls never find an entry."""
     if not _torch_tensor_type:
         return None
     tensor_type = _torch_tensor_type[0]
@@ -68,7 +68,7 @@ def torch_key(*xs: Any) -> tuple | None:
     for x in xs:
         if x is None:
             key.append(None)
-        elif type(x) is tensor_type and x.is_cuda:
+        elif type(x) is tensor_type:  # host tensors never reach the cache: only launches do
             key.append((x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device()))
         else:
             return None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from typing import Any
 
 import numpy as np
@@ -71,9 +70,18 @@ def merge_state(
 
         out, lse = zerokv.merge_state(v_prefix, lse_prefix, v_suffix, lse_suffix)
     """
+    key = None
+    if out is not None and _rememberable(lse_base, prefix_rows, a_empty):
+        key = _merge_key(
+            v_a, s_a, v_b, s_b, out, out_lse, a_empty, None, out_scale, lse_base, prefix_rows, False
+        )
+        prepared = _runtime.launches.get(key)
+        if prepared is not None:  # the same call as before: already validated and packed
+            prepared(_runtime.torch_stream(prepared.device))
+            return out, out_lse
     return merge_two(
         v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale,
-        suffix_verbatim=False, row_mask=None, allocate_lse=out is None,
+        suffix_verbatim=False, row_mask=None, allocate_lse=out is None, key=key,
     )  # fmt: skip
 
 
@@ -93,21 +101,35 @@ def merge_two(
     row_mask: Any,
     allocate_lse: bool,
     names: tuple[str, ...] = ("v_a", "s_a", "v_b", "s_b", "out", "out_lse"),
+    key: Any = ...,
 ) -> tuple[Any, Any]:
     """The two-way merge behind ``merge_state`` and the engine adapters.
 
     ``suffix_verbatim``: rows past ``prefix_rows`` copy state b as it is (vLLM). ``row_mask``:
     ``[T]`` bool, rows with False are not touched (FlashInfer ``merge_state_in_place``).
     ``names``: how the arguments are called in error messages (the adapters' own names).
+    ``key``: the call's key when the caller has already looked for a remembered launch.
     """
-    key = None
-    if out is not None and _rememberable(lse_base, prefix_rows, a_empty):
-        key = torch_key(v_a, s_a, v_b, s_b, out, out_lse, *(a_empty or (None, None)), row_mask, out_scale)
-        if key is not None:
-            key = ("merge_state", key, lse_base, prefix_rows, suffix_verbatim)
+    if key is ...:
+        key = None
+        if out is not None and _rememberable(lse_base, prefix_rows, a_empty):
+            key = _merge_key(
+                v_a,
+                s_a,
+                v_b,
+                s_b,
+                out,
+                out_lse,
+                a_empty,
+                row_mask,
+                out_scale,
+                lse_base,
+                prefix_rows,
+                suffix_verbatim,
+            )
             prepared = _runtime.launches.get(key)
             if prepared is not None:  # the same call as before: already validated and packed
-                prepared(_current_stream(prepared.device))
+                prepared(_runtime.torch_stream(prepared.device))
                 return out, out_lse
 
     n_va, n_sa, n_vb, n_sb, n_out, n_lse = names
@@ -242,7 +264,7 @@ def merge_states(
             key = ("merge_states", key, lse_base)
             prepared = _runtime.launches.get(key)
             if prepared is not None:  # the same call as before: already validated and packed
-                prepared(_current_stream(prepared.device))
+                prepared(_runtime.torch_stream(prepared.device))
                 return out, out_lse
 
     vt = _checks.tensor(v, "v", 4, _dtypes.V_IN)
@@ -312,8 +334,11 @@ def _rememberable(lse_base: Any, prefix_rows: Any, a_empty: Any) -> bool:
     )
 
 
-def _current_stream(device: int) -> int:
-    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+def _merge_key(
+    v_a, s_a, v_b, s_b, out, out_lse, a_empty, row_mask, out_scale, lse_base, prefix_rows, verbatim
+):
+    tensors = torch_key(v_a, s_a, v_b, s_b, out, out_lse, *(a_empty or (None, None)), row_mask, out_scale)
+    return None if tensors is None else ("merge_state", tensors, lse_base, prefix_rows, verbatim)
 
 
 def _view_new(x: Any) -> Tensor:
