@@ -9,7 +9,8 @@
 
 enum EmptyRule { KV_LENS_ZERO = 0, CONTEXT_SPAN_EMPTY = 1 };
 
-// Requests scanned per step by each warp: SCAN_GROUPS x 32, all their loads in flight at once.
+// Requests scanned per step by each warp: SCAN_GROUPS x 32, their loads all in flight at once,
+// so a batch without empty requests costs about one memory latency per 256 requests.
 constexpr int SCAN_GROUPS = 8;
 
 template <typename T, int VEC>
@@ -30,7 +31,6 @@ __device__ void write_empty_rows(
   i64 pos_v = (i64)blockIdx.x * blockDim.x + threadIdx.x, pos_l = pos_v;
   i64 base_v = 0, base_l = 0;
   for (i64 first = 0; first < batch; first += 32 * SCAN_GROUPS) {
-    i64 q0[SCAN_GROUPS], rows[SCAN_GROUPS];
     bool empty[SCAN_GROUPS];
 #pragma unroll
     for (int g = 0; g < SCAN_GROUPS; ++g) {  // each lane looks at one request per group
@@ -42,14 +42,15 @@ __device__ void write_empty_rows(
             : load_index(lens, (int)lens_is64, r + 1) == load_index(lens, (int)lens_is64, r);
       }
     }
+    int q0[SCAN_GROUPS], rows[SCAN_GROUPS];  // token offsets < 2^31 (checked on the host)
 #pragma unroll
-    for (int g = 0; g < SCAN_GROUPS; ++g) {
+    for (int g = 0; g < SCAN_GROUPS; ++g) {  // lanes of empty requests fetch their row spans
       q0[g] = 0;
       rows[g] = 0;
       if (empty[g]) {
         const i64 r = first + g * 32 + lane;
-        q0[g] = load_index(cu_q, (int)q_is64, r);
-        rows[g] = load_index(cu_q, (int)q_is64, r + 1) - q0[g];
+        q0[g] = (int)load_index(cu_q, (int)q_is64, r);
+        rows[g] = (int)load_index(cu_q, (int)q_is64, r + 1) - q0[g];
       }
     }
 #pragma unroll

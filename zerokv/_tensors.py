@@ -68,7 +68,7 @@ def torch_key(*xs: Any) -> tuple | None:
     for x in xs:
         if x is None:
             key.append(None)
-        elif type(x) is tensor_type:  # host tensors never reach the cache: only launches do
+        elif type(x) is tensor_type:
             key.append((x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device()))
         else:
             return None

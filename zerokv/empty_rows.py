@@ -54,6 +54,8 @@ def run(
         raise ValueError(f"{n_cu}: expected B + 1 >= 1 entries, got 0")
     B = cu.shape[0] - 1
     ln = _checks.index_tensor(lens, n_lens, B + 1 if lens_are_offsets else B, device)
+    if T >= 2**31:
+        raise ValueError(f"{n_out}: T must be below 2^31, got shape {tuple(o.shape)}")
 
     if device < 0:
         cu64, ln64 = _host.to_f64(cu), _host.to_f64(ln)
