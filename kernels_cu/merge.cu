@@ -34,7 +34,8 @@ __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float i
   return c;
 }
 
-// Each warp merges a tile of 32 consecutive rows (token t, head h) in two phases.
+// Each warp merges a tile of `tile_rows` (<= 32; fewer when there are few rows, so that more
+// warps share them) consecutive rows (token t, head h) in two phases.
 //  1. Lane i takes row i of the tile: reads its LSEs (coalesced), computes its coefficients and
 //     the element offsets of its row; lane i alone later writes that row's LSE, so out_lse may
 //     alias s_a or s_b.
@@ -45,14 +46,14 @@ __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float i
 constexpr int U = 4;
 
 template <typename Tin, typename Tout, int VEC>
-__global__ void __launch_bounds__(128) merge_state_kernel(
+__global__ void __launch_bounds__(128, 5) merge_state_kernel(
     const Tin* va, i64 va_st, i64 va_sh,
     const Tin* vb, i64 vb_st, i64 vb_sh,
     Tout* out, i64 out_st, i64 out_sh,
     const float* sa, i64 sa_st, i64 sa_sh,
     const float* sb, i64 sb_st, i64 sb_sh,
     float* olse, i64 ol_st, i64 ol_sh,
-    i64 T, i64 H, i64 D, i64 lanes,
+    i64 T, i64 H, i64 D, i64 lanes, i64 tile_rows,
     i64 prefix_rows,      // rows t >= prefix_rows take state b alone
     i64 suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
     const void* a_cu, const void* a_lens, i64 a_batch, i64 a_is64,  // requests with empty a
@@ -62,11 +63,11 @@ __global__ void __launch_bounds__(128) merge_state_kernel(
   const int lane = threadIdx.x & 31;
   const i64 rows = T * H;
   const i64 tile = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const i64 row = tile * 32 + lane;
+  const i64 row = tile * tile_rows + lane;
 
   // -- phase 1: this lane's row --
   RowCoef c{0.f, 0.f, neg_inf()};
-  int live = row < rows;
+  int live = lane < tile_rows && row < rows;
   i64 t = 0, h = 0;
   if (live) {
     split_row(row, H, rows, t, h);
@@ -93,17 +94,18 @@ __global__ void __launch_bounds__(128) merge_state_kernel(
   const int sub = lane / (int)lanes;
   const int col = lane % (int)lanes;
   const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
-  for (int p0 = 0; p0 < (int)lanes; p0 += U) {  // lanes passes cover the 32 rows
+  const int passes = ((int)tile_rows + per_pass - 1) / per_pass;
+  for (int p0 = 0; p0 < passes; p0 += U) {
     float ca[U], cb[U];
     int tu[U], hu[U];  // T and H < 2^31 (checked on the host); tu < 0: no row to write
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int src = ((p0 + u) * per_pass + sub) & 31;
-      ca[u] = __shfl_sync(0xffffffffu, c.ca, src);
-      cb[u] = __shfl_sync(0xffffffffu, c.cb, src);
-      tu[u] = __shfl_sync(0xffffffffu, live ? (int)t : -1, src);
-      hu[u] = __shfl_sync(0xffffffffu, (int)h, src);
-      if (p0 + u >= (int)lanes) tu[u] = -1;
+      const int src = (p0 + u) * per_pass + sub;  // the row's lane in the tile
+      ca[u] = __shfl_sync(0xffffffffu, c.ca, src & 31);
+      cb[u] = __shfl_sync(0xffffffffu, c.cb, src & 31);
+      tu[u] = __shfl_sync(0xffffffffu, live ? (int)t : -1, src & 31);
+      hu[u] = __shfl_sync(0xffffffffu, (int)h, src & 31);
+      if (p0 + u >= passes || src >= (int)tile_rows) tu[u] = -1;
     }
     for (i64 d = (i64)col * VEC; d < D; d += lanes * VEC) {
       Pack<Tin, VEC> a[U], b[U];
@@ -141,14 +143,14 @@ __global__ void __launch_bounds__(128) merge_states_kernel(
     const float* __restrict__ s, i64 s_sn, i64 s_st, i64 s_sh,
     Tout* __restrict__ out, i64 out_st, i64 out_sh,
     float* __restrict__ olse, i64 ol_st, i64 ol_sh,
-    i64 N, i64 T, i64 H, i64 D, i64 lanes, float k, float inv_k, const float* out_scale) {
+    i64 N, i64 T, i64 H, i64 D, i64 lanes, i64 tile_rows, float k, float inv_k, const float* out_scale) {
   const int lane = threadIdx.x & 31;
   const i64 rows = T * H;
   const i64 tile = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const i64 row = tile * 32 + lane;
+  const i64 row = tile * tile_rows + lane;
 
   // -- phase 1: this lane's row: m = max of the non-empty LSEs, scale = 1 / sum of weights --
-  const int live = row < rows;
+  const int live = lane < tile_rows && row < rows;
   i64 t = 0, h = 0;
   float m = neg_inf(), scale = 0.f;
   if (live) {
@@ -181,17 +183,18 @@ __global__ void __launch_bounds__(128) merge_states_kernel(
   const int sub = lane / (int)lanes;
   const int col = lane % (int)lanes;
   const float inv_out = out_scale != nullptr ? 1.f / *out_scale : 1.f;
-  for (int p0 = 0; p0 < (int)lanes; p0 += U) {
+  const int passes = ((int)tile_rows + per_pass - 1) / per_pass;
+  for (int p0 = 0; p0 < passes; p0 += U) {
     float mu[U], su[U];
     int tu[U], hu[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int src = ((p0 + u) * per_pass + sub) & 31;
-      mu[u] = __shfl_sync(0xffffffffu, m, src);
-      su[u] = __shfl_sync(0xffffffffu, scale, src);
-      tu[u] = __shfl_sync(0xffffffffu, live ? (int)t : -1, src);
-      hu[u] = __shfl_sync(0xffffffffu, (int)h, src);
-      if (p0 + u >= (int)lanes) tu[u] = -1;
+      const int src = (p0 + u) * per_pass + sub;  // the row's lane in the tile
+      mu[u] = __shfl_sync(0xffffffffu, m, src & 31);
+      su[u] = __shfl_sync(0xffffffffu, scale, src & 31);
+      tu[u] = __shfl_sync(0xffffffffu, live ? (int)t : -1, src & 31);
+      hu[u] = __shfl_sync(0xffffffffu, (int)h, src & 31);
+      if (p0 + u >= passes || src >= (int)tile_rows) tu[u] = -1;
     }
     for (i64 d = (i64)col * VEC; d < D; d += lanes * VEC) {
       float acc[U][VEC];

@@ -26,8 +26,8 @@ _runtime.register(
 _LOG2E = math.log2(math.e)
 _BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
 # struct layouts of the kernels' parameter lists (see kernels_cu/merge.cu)
-_MERGE_STATE_ARGS = "<29q2fq"
-_MERGE_STATES_ARGS = "<19q2fq"
+_MERGE_STATE_ARGS = "<30q2fq"
+_MERGE_STATES_ARGS = "<20q2fq"
 
 
 def merge_state(
@@ -217,6 +217,7 @@ def merge_two(
         return out, out_lse
 
     vec = _vector_width(va.dtype, o.dtype, D, (va, vb), o)
+    tile, grid = _tiles(T * H)
     k, inv_k = _BASES[base]
     args = (
         va.ptr, va.strides[0], va.strides[1],
@@ -225,13 +226,12 @@ def merge_two(
         sa.ptr, sa.strides[0], sa.strides[1],
         sb.ptr, sb.strides[0], sb.strides[1],
         ol.ptr if ol is not None else 0, ol.strides[0] if ol else 0, ol.strides[1] if ol else 0,
-        T, H, D, _lanes(D, vec), prefix, int(suffix_verbatim),
+        T, H, D, _lanes(D, vec), tile, prefix, int(suffix_verbatim),
         cu.ptr if cu else 0, lens.ptr if lens else 0,
         cu.shape[0] - 1 if cu else 0, int(cu is not None and cu.dtype == "int64"),
         mask.ptr if mask else 0, k, inv_k, scale.ptr if scale else 0,
     )  # fmt: skip
     expr = f"merge_state_kernel<{_dtypes.ctype(va.dtype)}, {_dtypes.ctype(o.dtype)}, {vec}>"
-    grid = ((T * H + _TILE_THREADS - 1) // _TILE_THREADS, 1, 1)  # one warp per 32 rows
     stream = _runtime.stream_for(va)
     _runtime.launch("merge", expr, device, stream, grid, (_TILE_THREADS, 1, 1), _MERGE_STATE_ARGS, args, key)
     return out, out_lse
@@ -307,16 +307,16 @@ def merge_states(
         return out, out_lse
 
     vec = _vector_width(vt.dtype, o.dtype, D, (vt,), o, extra_strides=(vt.strides[0],))
+    tile, grid = _tiles(T * H)
     k, inv_k = _BASES[base]
     args = (
         vt.ptr, vt.strides[0], vt.strides[1], vt.strides[2],
         st.ptr, st.strides[0], st.strides[1], st.strides[2],
         o.ptr, o.strides[0], o.strides[1],
         ol.ptr if ol is not None else 0, ol.strides[0] if ol else 0, ol.strides[1] if ol else 0,
-        N, T, H, D, _lanes(D, vec), k, inv_k, scale.ptr if scale else 0,
+        N, T, H, D, _lanes(D, vec), tile, k, inv_k, scale.ptr if scale else 0,
     )  # fmt: skip
     expr = f"merge_states_kernel<{_dtypes.ctype(vt.dtype)}, {_dtypes.ctype(o.dtype)}, {vec}>"
-    grid = ((T * H + _TILE_THREADS - 1) // _TILE_THREADS, 1, 1)  # one warp per 32 rows
     stream = _runtime.stream_for(vt)
     _runtime.launch("merge", expr, device, stream, grid, (_TILE_THREADS, 1, 1), _MERGE_STATES_ARGS, args, key)
     return out, out_lse
@@ -363,6 +363,16 @@ def _vector_width(
     if any(s % vec for s in extra_strides):
         return 1
     return vec
+
+
+def _tiles(rows: int) -> tuple[int, tuple[int, int, int]]:
+    """Rows per warp tile and the grid: 32-row tiles once there are enough rows to keep every SM
+    busy (~64 rows per thread block's worth of warps), smaller tiles for small batches, so that
+    their latency is one tile's, not 32 rows one after another."""
+    tile = 1 << min(5, max(0, (rows // 2048).bit_length() - 1)) if rows >= 2048 else 1
+    warps_per_block = _TILE_THREADS // 32
+    tiles = -(-rows // tile)
+    return tile, (-(-tiles // warps_per_block), 1, 1)
 
 
 def _lanes(D: int, vec: int) -> int:
