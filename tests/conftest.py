@@ -20,15 +20,17 @@ def _has_gpu() -> bool:
 
 
 HAS_GPU = _has_gpu()
+GPUS = torch.cuda.device_count() if HAS_GPU else 0
 
 
 def pytest_collection_modifyitems(config, items):
-    if HAS_GPU:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
+    skip_two = pytest.mark.skip(reason=f"needs two CUDA GPUs ({GPUS} found)")
     for item in items:
-        if "gpu" in item.keywords or "multigpu" in item.keywords:
-            item.add_marker(skip)
+        if "multigpu" in item.keywords and GPUS < 2:
+            item.add_marker(skip_two)
+        elif "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(skip_gpu)
 
 
 # output dtype -> (atol, rtol) against the float64 reference

@@ -262,3 +262,49 @@ def test_concurrent_first_calls_build_once(monkeypatch):
     # later calls hit the cache
     assert _runtime.function(*keys[0]) is dict(got[0])[keys[0]]
     assert builds == {key: 1 for key in keys}
+
+
+# --- launch arguments: the struct layouts match the kernels' C parameter lists ----------------
+
+_GLOBAL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)", re.S)
+
+
+def _c_layout(stem: str, kernel: str) -> str:
+    """The struct format of a kernel's parameters: 8-byte pointers / i64 as q, float as f."""
+    text = re.sub(r"//[^\n]*", "", _runtime.source(stem))
+    params = dict(_GLOBAL.findall(text))[kernel]
+    codes = []
+    for param in params.split(","):
+        decl = param.strip()
+        if "*" in decl or decl.startswith(("i64", "long long")):
+            codes.append("q")
+        elif decl.startswith("float"):
+            codes.append("f")
+        else:
+            raise AssertionError(f"{kernel}: parameter {decl!r} of an unexpected type")
+    return "".join(codes)
+
+
+def _expand(fmt: str) -> str:
+    return "".join(ch * int(n or 1) for n, ch in re.findall(r"(\d*)([qf])", fmt))
+
+
+@pytest.mark.parametrize(
+    "stem, kernel, fmt",
+    [
+        ("merge", "merge_state_kernel", "zerokv.merge._MERGE_STATE_ARGS"),
+        ("merge", "merge_states_kernel", "zerokv.merge._MERGE_STATES_ARGS"),
+        ("fixup", "fixup_zero_kv_rows_kernel", "zerokv.empty_rows._ARGS"),
+        ("mask", "mask_empty_context_kernel", "zerokv.empty_rows._ARGS"),
+    ],
+)
+def test_packed_arguments_match_the_kernel_signature(stem, kernel, fmt):
+    module, name = fmt.rsplit(".", 1)
+    packed = getattr(sys.modules[module], name)
+    assert packed.startswith("<")
+    codes = _expand(packed[1:])
+    assert codes == _c_layout(stem, kernel)
+    offset = 0  # "<" packs without padding: every 8-byte value must already sit at its C offset
+    for code in codes:
+        assert code == "f" or offset % 8 == 0, f"{kernel}: an 8-byte parameter at offset {offset}"
+        offset += 8 if code == "q" else 4

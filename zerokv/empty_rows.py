@@ -8,6 +8,7 @@ from . import _checks, _dtypes, _host, _runtime, reference
 from ._tensors import Tensor, torch_key
 
 _THREADS = 256
+_ARGS = "<14q"  # struct layout of the kernels' parameter lists (kernels_cu/empty_rows.cuh)
 _BLOCKS_PER_SM = 4  # a persistent grid of full occupancy (the kernels are bounded to 64 registers)
 
 
@@ -81,7 +82,7 @@ def run(
     )  # fmt: skip
     expr = f"{kernel}<{_dtypes.ctype(o.dtype)}, {vec}>"
     grid = (_BLOCKS_PER_SM * _runtime.sm_count(device), 1, 1)
-    _runtime.launch(stem, expr, device, _runtime.stream_for(o), grid, (_THREADS, 1, 1), "<14q", args, key)
+    _runtime.launch(stem, expr, device, _runtime.stream_for(o), grid, (_THREADS, 1, 1), _ARGS, args, key)
 
 
 def _vector_width(o: Tensor) -> int:
