@@ -7,6 +7,11 @@ import torch
 NAN = float("nan")
 
 
+# (B, max_q, H, D) for the empty-row kernel tests: one request of one row, head_dim 7 (scalar
+# path), 72 (unaligned to 16 bytes for some dtypes), and batches of many requests.
+KERNEL_CASES = [(1, 1, 1, 7), (7, 3, 16, 72), (64, 300, 8, 128), (300, 400, 4, 64)]
+
+
 def make_batch(B: int, max_q: int, empty: str, seed: int, index_dtype=torch.int32):
     """``(cu_seqlens_q [B+1], kv_lens [B])`` with query lengths in [0, max_q] (0 and 1 included
     when B allows) and ``empty`` in {"none", "one", "all", "random"} deciding which kv_lens are 0."""

@@ -171,3 +171,10 @@ def test_torch_stream_is_read_for_the_tensors_device(monkeypatch):
     monkeypatch.setattr(torch, "_C", fake_c)
     t = _tensors.Tensor(None, 0, (1,), (1,), "float32", 1, True)
     assert _runtime.stream_for(t) == 77 and seen == [1]
+
+
+def test_clear_cache_also_forgets_remembered_launches(monkeypatch):
+    monkeypatch.setattr(_runtime, "launches", _runtime.LaunchCache())
+    _runtime.launches.remember(("k",), object())
+    _runtime.clear_cache()
+    assert not _runtime.launches

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from batches import check_empty_rows, empty_rows, garbage_state, make_batch
+from batches import KERNEL_CASES, check_empty_rows, empty_rows, garbage_state, make_batch
 from conftest import DTYPES
 
 import zerokv
@@ -61,9 +61,7 @@ def test_rejected_calls_name_the_argument_and_write_nothing(kw, exc, needle):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("empty", ["none", "one", "all", "random"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-@pytest.mark.parametrize(
-    "B, max_q, H, D", [(1, 1, 1, 7), (7, 3, 16, 72), (64, 300, 8, 128), (300, 400, 4, 64)]
-)
+@pytest.mark.parametrize("B, max_q, H, D", KERNEL_CASES)
 def test_kernel(dtype, empty, index_dtype, B, max_q, H, D):
     cu, kv = make_batch(B, max_q, empty, seed=B + max_q, index_dtype=index_dtype)
     rows = empty_rows(cu, kv)

@@ -100,8 +100,11 @@ def _build(stem: str, expr: str, device: int) -> Loaded:
 
 
 def clear_cache() -> None:
-    """Forget loaded functions (the disk cache stays); the next call compiles or reloads."""
+    """Forget loaded functions (the disk cache stays); the next call compiles or reloads.
+
+    The remembered launches go too: they hold the handles of the modules unloaded here."""
     with _lock:
+        launches.clear()
         _functions.clear()
 
 
