@@ -1,23 +1,29 @@
-"""The one runtime every op uses: kernel sources, compile cache, device and stream, launch.
+"""The one runtime every op uses: kernel sources, compile cache, devices and streams, launch.
 
 * Sources: ``kernels_cu/<stem>.cu`` with its ``#include "x.cuh"`` lines replaced by the header
-  text, so the code handed to NVRTC (and hashed by CuPy's disk cache) covers every byte.
-* Cache: one CuPy ``Function`` per (stem, template instantiation, device), compiled on first use
-  under a lock (concurrent first calls compile once) and reused from CuPy's disk cache
+  text and the block sizes of its kernels defined on top, so the code handed to NVRTC (and
+  hashed by CuPy's disk cache) covers every byte.
+* Cache: one loaded function per (kernel instantiation, device), compiled on first use under a
+  lock (concurrent first calls compile once) and reused from CuPy's disk cache
   (``CUPY_CACHE_DIR``) by later processes.
-* Launch: on the given stream, in the tensor's device context; nothing is allocated or synced.
+* Launch: :class:`Launcher` packs the arguments into a per-thread buffer and calls
+  ``cuLaunchKernel`` on the given stream, in the device's context; nothing is allocated or synced.
+
+This module imports none of the layers above it (launch plans, ops).
 """
 
 from __future__ import annotations
 
 import ctypes
 import re
-import struct
 import sys
 import threading
-from functools import cache, lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from . import _kernels
+from ._kernels import Kernel
 
 # Options shared by the run-time (CuPy) and the offline (cuda-bindings) compiles. CuPy adds
 # -arch for the device and -ftz=true itself.
@@ -35,8 +41,8 @@ def kernel_dir() -> Path:
     raise FileNotFoundError(f"zerokv: kernel sources (kernels_cu/) not found near {here}")
 
 
-def source(stem: str, directory: Path | None = None) -> str:
-    """The full text of ``<stem>.cu`` with every local header inlined once."""
+def source(stem: str, directory: Path | None = None, kernels: tuple[Kernel, ...] | None = None) -> str:
+    """The full text of ``<stem>.cu``: block sizes defined, every local header inlined once."""
     directory = directory or kernel_dir()
     seen: set[str] = set()
 
@@ -48,67 +54,69 @@ def source(stem: str, directory: Path | None = None) -> str:
         text = text.replace("#pragma once\n", "")
         return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
-    return f"// zerokv: {stem}.cu with headers inlined\n" + expand(f"{stem}.cu")
+    head = f"// zerokv: {stem}.cu with headers inlined\n" + _kernels.block_defines(stem, kernels)
+    return head + expand(f"{stem}.cu")
 
 
-# --- what exists: every (stem, kernel, template arguments) the ops may launch ------------------
-
-INSTANTIATIONS: dict[str, list[str]] = {}  # stem -> name expressions
-
-
-def register(stem: str, expressions: list[str]) -> None:
-    """Ops declare their instantiations, so the offline compile can build every one."""
-    INSTANTIATIONS.setdefault(stem, [])
-    for e in expressions:
-        if e not in INSTANTIATIONS[stem]:
-            INSTANTIATIONS[stem].append(e)
+def kernel_source(kernel: Kernel) -> str:
+    """What NVRTC compiles for ``kernel``: its stem's source, or its own ``code``."""
+    if kernel.code is not None:
+        return _kernels.block_defines(kernel.stem, (kernel,)) + kernel.code
+    return source(kernel.stem)
 
 
 # --- compile cache ----------------------------------------------------------------------------
 
-_functions: dict[tuple[str, str, int], Any] = {}
+
+class Loaded(NamedTuple):
+    module: Any  # CuPy's RawModule: owns the loaded code
+    ptr: int  # the CUfunction handle on its device
+
+
+_functions: dict[tuple[str, str, int], Loaded] = {}
 _lock = threading.Lock()
 _modules_built = 0  # number of RawModules created in this process (tests read it)
 
 
-def function(stem: str, expr: str, device: int) -> Loaded:
-    """The kernel for ``expr`` on ``device``; compiled and loaded once per device."""
-    key = (stem, expr, device)
+def function(kernel: Kernel, expr: str, device: int) -> Loaded:
+    """The function ``expr`` of ``kernel`` on ``device``; compiled and loaded once per device."""
+    key = (kernel.stem if kernel.code is None else f"{kernel.stem}:{kernel.name}", expr, device)
     fn = _functions.get(key)
     if fn is None:
         with _lock:
             fn = _functions.get(key)
             if fn is None:
-                fn = _functions[key] = _build(stem, expr, device)
+                fn = _functions[key] = _build(kernel_source(kernel), expr, device)
     return fn
 
 
-class Loaded(NamedTuple):
-    kernel: Any  # CuPy's RawKernel: owns the loaded module
-    ptr: int  # its CUfunction handle on this device
+def loaded_count() -> int:
+    """How many functions are loaded (``precompile`` and the tests read it)."""
+    return len(_functions)
 
 
-def _build(stem: str, expr: str, device: int) -> Loaded:
+def _build(code: str, expr: str, device: int) -> Loaded:
     global _modules_built
     cupy = import_cupy()
+    check_device(device)
     with cupy.cuda.Device(device):
-        module = cupy.RawModule(code=source(stem), options=NVRTC_OPTIONS, name_expressions=[expr])
-        kernel = module.get_function(expr)
-        loaded = Loaded(kernel, kernel.kernel.ptr)  # .kernel: the Function of the current device
+        module = cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=[expr])
+        fn = module.get_function(expr)
+        loaded = Loaded(module, fn.kernel.ptr)  # .kernel: the Function of the current device
     _modules_built += 1
     return loaded
 
 
-def clear_cache() -> None:
-    """Forget loaded functions (the disk cache stays); the next call compiles or reloads.
-
-    The remembered launches go too: they hold the handles of the modules unloaded here."""
+def clear_functions() -> None:
+    """Forget loaded functions (the disk cache stays). Call through ``_plans.clear_cache``,
+    which forgets the launch plans holding their handles first."""
     with _lock:
-        launches.clear()
         _functions.clear()
 
 
 # --- devices and streams ----------------------------------------------------------------------
+
+MIN_CAPABILITY = (8, 0)
 
 
 def import_cupy() -> Any:
@@ -121,16 +129,27 @@ def import_cupy() -> Any:
     return cupy
 
 
+@cache
+def capability(device: int) -> tuple[int, int]:
+    props = import_cupy().cuda.runtime.getDeviceProperties(device)
+    return int(props["major"]), int(props["minor"])
+
+
+def check_device(device: int) -> None:
+    """A clear error for GPUs older than sm_80, before anything is compiled for them."""
+    cap = capability(device)
+    if cap < MIN_CAPABILITY:
+        name = import_cupy().cuda.runtime.getDeviceProperties(device)["name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        raise RuntimeError(
+            f"zerokv: cuda:{device} ({name}) has compute capability {cap[0]}.{cap[1]}; "
+            "zerokv needs 8.0 or newer (A100, A10/L4, L40, H100/H200, B200, RTX 30xx and later)"
+        )
+
+
 def torch_stream(device: int) -> int:
     """Raw handle of torch's current stream on ``device`` (~0.1 µs: what Triton and Inductor use)."""
     return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
-
-
-def stream_for(t: Any) -> int:
-    """Raw handle of the producer's current stream on the tensor's device."""
-    if t.is_torch:
-        return torch_stream(t.device)
-    return cupy_stream(t.device)
 
 
 def cupy_stream(device: int) -> int:
@@ -145,117 +164,92 @@ def sm_count(device: int) -> int:
     return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
 
 
-# Launch through the driver directly: all arguments packed by ``struct`` into one buffer handed
-# over with CU_LAUNCH_PARAM_BUFFER_POINTER. A CuPy Function call converts every argument to a
-# Python object of its own first, which costs several µs for kernels with ~30 parameters.
+# --- launch -----------------------------------------------------------------------------------
+
+# cuLaunchKernel with all arguments in one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER): one pack_into
+# instead of one Python object per argument.
 _BUFFER_POINTER, _BUFFER_SIZE, _END = 1, 2, 0
 _CUDA_ERROR_INVALID_CONTEXT = 201
+_ARENA_BYTES = 1024
 
 
-class _Driver:
+class _Arena(threading.local):
+    """A per-thread argument buffer: the driver copies it at launch, so reusing it across
+    launches is safe, and threads never share one."""
+
     def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
-        # No argtypes: every argument is passed as a prepared ctypes object (no conversions).
-        self.launch = self.lib.cuLaunchKernel
-        self.launch.restype = ctypes.c_int
-        import cupy
-
-        self.get_device = cupy.cuda.runtime.getDevice
-
-    def error_name(self, code: int) -> str:
-        name = ctypes.c_char_p()
-        self.lib.cuGetErrorName(code, ctypes.byref(name))
-        return (name.value or b"unknown").decode()
-
-
-@lru_cache(maxsize=1)
-def _driver() -> _Driver:
-    return _Driver()
-
-
-@cache
-def _struct(fmt: str) -> struct.Struct:
-    return struct.Struct(fmt)
-
-
-class Launch:
-    """One fully prepared launch: the kernel, its geometry and its packed arguments.
-
-    Built once per distinct call (ops keep the ones made for torch tensors in :data:`launches`,
-    keyed on every input's pointer, shape, strides, dtype and device, so a repeated call skips
-    validation and packing); run on the caller's current stream each time.
-    """
-
-    __slots__ = ("expr", "device", "buf", "size", "extra", "head", "driver")
-
-    def __init__(
-        self, stem: str, expr: str, device: int, grid: tuple, block: tuple, fmt: str, args: tuple
-    ) -> None:
-        self.expr = expr
-        self.device = device
-        packer = _struct(fmt)
-        self.buf = ctypes.create_string_buffer(packer.size)
-        packer.pack_into(self.buf, 0, *args)  # the driver copies the arguments at each launch
-        self.size = ctypes.c_size_t(packer.size)
+        self.buf = ctypes.create_string_buffer(_ARENA_BYTES)
+        self.size = ctypes.c_size_t(0)
         self.extra = (ctypes.c_void_p * 5)(
             _BUFFER_POINTER, ctypes.addressof(self.buf), _BUFFER_SIZE, ctypes.addressof(self.size), _END
         )
-        u = ctypes.c_uint
-        # cuLaunchKernel(f, grid x/y/z, block x/y/z, shared bytes, ...) as ready ctypes values
-        self.head = (ctypes.c_void_p(function(stem, expr, device).ptr), *map(u, grid), *map(u, block), u(0))
-        self.driver = _driver()
+        self.extra_ptr = ctypes.addressof(self.extra)
 
-    def __call__(self, stream: int) -> None:
+
+_arena = _Arena()
+
+
+class _Driver:
+    """The driver entry points the hot path needs, looked up once."""
+
+    def __init__(self) -> None:
+        cupy = import_cupy()
+        from cupy.cuda import driver
+
+        self.launch = driver.launchKernel  # Cython: the cheapest way to call cuLaunchKernel
+        self.error = driver.CUDADriverError
+        self.get_device = cupy.cuda.runtime.getDevice
+        self.Device = cupy.cuda.Device
+        self.cupy = cupy
+
+
+_driver_cache: list[_Driver] = []
+
+
+def driver() -> _Driver:
+    if not _driver_cache:
+        _driver_cache.append(_Driver())
+    return _driver_cache[0]
+
+
+class Launcher:
+    """One loaded instantiation on one device, ready to launch with packed arguments."""
+
+    __slots__ = ("kernel", "expr", "device", "handle", "block", "pack_into", "nbytes", "driver")
+
+    def __init__(self, kernel: Kernel, targs: tuple, device: int) -> None:
+        self.kernel = kernel
+        self.expr = kernel.expr(*targs)
+        self.device = device
+        self.handle = function(kernel, self.expr, device).ptr
+        self.block = kernel.block
+        self.pack_into = kernel.packer.pack_into
+        self.nbytes = kernel.packer.size
+        self.driver = driver()
+
+    def __call__(self, grid: int, stream: int, *args: Any) -> None:
+        """Launch ``grid`` blocks on ``stream`` with ``args`` in the kernel's parameter order."""
+        a = _arena
+        self.pack_into(a.buf, 0, *args)
+        a.size.value = self.nbytes
         d = self.driver
-        if d.get_device() == self.device:
-            err = d.launch(*self.head, ctypes.c_void_p(stream), None, self.extra)
-            if err == _CUDA_ERROR_INVALID_CONTEXT:  # a thread that never touched CUDA yet
-                cupy = sys.modules["cupy"]
-                with cupy.cuda.Device(self.device):
-                    cupy.cuda.runtime.free(0)  # binds the device's primary context to this thread
-                    err = d.launch(*self.head, ctypes.c_void_p(stream), None, self.extra)
-        else:
-            with sys.modules["cupy"].cuda.Device(self.device):
-                err = d.launch(*self.head, ctypes.c_void_p(stream), None, self.extra)
-        if err:
-            raise RuntimeError(f"zerokv: launching {self.expr} failed: {d.error_name(err)} ({err})")
+        try:
+            if d.get_device() == self.device:
+                d.launch(self.handle, grid, 1, 1, self.block, 1, 1, 0, stream, 0, a.extra_ptr)
+            else:
+                with d.Device(self.device):
+                    d.launch(self.handle, grid, 1, 1, self.block, 1, 1, 0, stream, 0, a.extra_ptr)
+        except d.error as e:
+            self._retry(e, grid, stream)
 
-
-class LaunchCache(dict):
-    """Prepared launches by call key; cleared when it grows past ``limit`` entries."""
-
-    def __init__(self, limit: int = 4096) -> None:
-        super().__init__()
-        self.limit = limit
-
-    def remember(self, key: Any, launch: Launch) -> None:
-        if key is None:
-            return
-        if len(self) >= self.limit:
-            self.clear()
-        self[key] = launch
-
-
-launches = LaunchCache()
-
-
-def launch(
-    stem: str,
-    expr: str,
-    device: int,
-    stream: int,
-    grid: tuple[int, int, int],
-    block: tuple[int, int, int],
-    fmt: str,
-    args: tuple[Any, ...],
-    key: Any = None,
-) -> None:
-    """Launch ``expr`` on ``stream`` in ``device``'s context (switching only when needed).
-
-    ``fmt``: the ``struct`` format of the kernel's parameter list (``q`` for pointers and 64-bit
-    integers, ``f`` for float), ``args`` the values in order. ``key``: remember the prepared
-    launch under it (see :func:`zerokv._tensors.torch_key`).
-    """
-    prepared = Launch(stem, expr, device, grid, block, fmt, args)
-    launches.remember(key, prepared)
-    prepared(stream)
+    def _retry(self, e: Exception, grid: int, stream: int) -> None:
+        d = self.driver
+        if getattr(e, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
+            raise RuntimeError(f"zerokv: launching {self.expr} failed: {e}") from e
+        # A thread that never touched CUDA: bind the device's primary context, then launch.
+        with d.Device(self.device):
+            d.cupy.cuda.runtime.free(0)
+            try:
+                d.launch(self.handle, grid, 1, 1, self.block, 1, 1, 0, stream, 0, _arena.extra_ptr)
+            except d.error as e2:
+                raise RuntimeError(f"zerokv: launching {self.expr} failed: {e2}") from e2

@@ -1,0 +1,145 @@
+"""Every kernel zerokv launches, described once.
+
+A :class:`Kernel` names its source stem (``kernels_cu/<stem>.cu``), its ``__global__`` function,
+its template instantiations, its block size and its parameters by name and C type. From that
+description come the instantiation list (what the offline compile and ``precompile`` build),
+the packing of the arguments (natural C alignment, in the kernel's own order) and the block
+size, which reaches the kernel's ``__launch_bounds__`` as ``ZK_BLOCK_<name>`` (defined at the
+top of the source handed to NVRTC). ``tests/test_kernels.py`` holds each description against
+the C parameter list in ``kernels_cu/``: names, types and order.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from . import _dtypes
+
+# C type -> (struct code, bytes); the alignment of each is its size.
+CTYPES = {"ptr": ("Q", 8), "i64": ("q", 8), "i32": ("i", 4), "f32": ("f", 4)}
+
+
+@dataclass(frozen=True)
+class Kernel:
+    stem: str  # kernels_cu/<stem>.cu
+    name: str  # the __global__ function (a template)
+    instances: tuple[tuple[str, ...], ...]  # template arguments of every instantiation
+    block: int  # threads per block, also the kernel's __launch_bounds__
+    params: tuple[tuple[str, str], ...]  # (name, C type) in the kernel's order
+    code: str | None = None  # source text for kernels outside kernels_cu/ (bench baselines)
+    index: dict[str, int] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "index", {n: i for i, (n, _) in enumerate(self.params)})
+        for n, c in self.params:
+            if c not in CTYPES:
+                raise ValueError(f"{self.name}: parameter {n} has unknown C type {c!r}")
+
+    def expr(self, *targs: object) -> str:
+        """The name expression of one instantiation, e.g. ``merge_state_kernel<float, float, 4>``."""
+        return f"{self.name}<{', '.join(str(a) for a in targs)}>"
+
+    @cached_property
+    def expressions(self) -> list[str]:
+        return [self.expr(*t) for t in self.instances]
+
+    @cached_property
+    def packer(self) -> struct.Struct:
+        """``struct`` layout of the parameter buffer: each value at its natural C alignment."""
+        fmt, offset = "<", 0
+        for _, c in self.params:
+            code, size = CTYPES[c]
+            pad = -offset % size
+            fmt += "x" * pad + code
+            offset += pad + size
+        return struct.Struct(fmt)
+
+    def pack(self, **values: float) -> bytes:
+        """Pack by parameter name (slow, for tests and one-off launches); every name required."""
+        missing = set(self.index) - set(values)
+        extra = set(values) - set(self.index)
+        if missing or extra:
+            raise TypeError(f"{self.name}: missing {sorted(missing)}, unknown {sorted(extra)}")
+        return self.packer.pack(*(values[n] for n, _ in self.params))
+
+
+def _vec(dtype: str) -> int:
+    return 16 // _dtypes.itemsize(dtype)
+
+
+def _params(spec: str) -> tuple[tuple[str, str], ...]:
+    """``"ptr va, i64 va_st, ..."`` -> ((name, type), ...)."""
+    out = []
+    for item in spec.split(","):
+        ctype, name = item.split()
+        out.append((name, ctype))
+    return tuple(out)
+
+
+_V = [(_dtypes.ctype(i), i) for i in _dtypes.V_IN]
+_O = [_dtypes.ctype(o) for o in _dtypes.V_OUT]
+
+MERGE_STATE = Kernel(
+    stem="merge",
+    name="merge_state_kernel",
+    instances=tuple((ci, co, v) for ci, i in _V for co in _O for v in (1, _vec(i))),
+    block=128,
+    params=_params(
+        "ptr va, i64 va_st, i64 va_sh, ptr vb, i64 vb_st, i64 vb_sh, ptr out, i64 out_st, i64 out_sh,"
+        " ptr sa, i64 sa_st, i64 sa_sh, ptr sb, i64 sb_st, i64 sb_sh, ptr olse, i64 ol_st, i64 ol_sh,"
+        " i64 T, i64 H, i64 D, i64 lanes, i64 tile_rows, i64 prefix_rows, i64 suffix_verbatim,"
+        " ptr a_cu, ptr a_lens, i64 a_batch, i64 a_is64, ptr row_mask, ptr sinks,"
+        " f32 k, f32 inv_k, ptr out_scale"
+    ),
+)
+
+MERGE_STATES = Kernel(
+    stem="merge",
+    name="merge_states_kernel",
+    instances=tuple((ci, co, v) for ci, i in _V for co in _O for v in (1, _vec(i))),
+    block=128,
+    params=_params(
+        "ptr v, i64 v_sn, i64 v_st, i64 v_sh, ptr s, i64 s_sn, i64 s_st, i64 s_sh,"
+        " ptr out, i64 out_st, i64 out_sh, ptr olse, i64 ol_st, i64 ol_sh,"
+        " i64 N, i64 T, i64 H, i64 D, i64 lanes, i64 tile_rows, ptr sinks,"
+        " f32 k, f32 inv_k, ptr out_scale"
+    ),
+)
+
+# The emptiness rule is the third template argument: 0 = kv_lens[i] == 0 (fixup),
+# 1 = cu_kv[i + 1] == cu_kv[i] (mask).
+RULE_KV_LENS_ZERO, RULE_CONTEXT_SPAN_EMPTY = 0, 1
+
+EMPTY_ROWS = Kernel(
+    stem="empty_rows",
+    name="empty_rows_kernel",
+    instances=tuple(
+        (ci, v, rule)
+        for ci, i in _V
+        for v in (1, _vec(i))
+        for rule in (RULE_KV_LENS_ZERO, RULE_CONTEXT_SPAN_EMPTY)
+    ),
+    block=256,
+    params=_params(
+        "ptr out, i64 out_st, i64 out_sh, ptr lse, i64 lse_st, i64 lse_sh,"
+        " ptr cu_q, i64 q_is64, ptr lens, i64 lens_is64, i64 batch, i64 T, i64 H, i64 D, i64 flat"
+    ),
+)
+
+KERNELS: tuple[Kernel, ...] = (MERGE_STATE, MERGE_STATES, EMPTY_ROWS)
+
+
+def instantiations(kernels: tuple[Kernel, ...] | None = None) -> dict[str, list[str]]:
+    """stem -> every name expression of that stem's kernels, in description order."""
+    out: dict[str, list[str]] = {}
+    for k in KERNELS if kernels is None else kernels:
+        out.setdefault(k.stem, []).extend(k.expressions)
+    return out
+
+
+def block_defines(stem: str, kernels: tuple[Kernel, ...] | None = None) -> str:
+    """``#define ZK_BLOCK_<name> <threads>`` for the kernels of ``stem`` (top of its source)."""
+    ks = KERNELS if kernels is None else kernels
+    return "".join(f"#define ZK_BLOCK_{k.name} {k.block}\n" for k in ks if k.stem == stem)

@@ -1,0 +1,52 @@
+"""Launch plans: what a call of one signature needs, built once and looked up by the signature.
+
+A signature is what the ops put in a key: the op, the tensors' dtypes and devices, which
+optional arguments are given and the layout facts that choose an instantiation (vector width,
+which LSE axis has unit stride). Never pointers or shapes: an engine that changes the token
+count on every step finds its plan on every step.
+
+``lookup(key, build)`` is the one place plans are found; ``build()`` validates the whole call
+and returns the plan, once per key (under a lock, so concurrent first calls build once).
+``clear_cache()`` forgets the plans and then the loaded functions they hold.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from . import _runtime
+
+_plans: dict[Any, Any] = {}
+_lock = threading.RLock()  # builders look up the launchers they use
+LIMIT = 4096  # distinct signatures kept; past it the table starts again (a process rarely has 50)
+
+
+def lookup(key: Any, build: Callable[[], Any]) -> Any:
+    plan = _plans.get(key)
+    if plan is None:
+        with _lock:
+            plan = _plans.get(key)
+            if plan is None:
+                plan = build()
+                if len(_plans) >= LIMIT:
+                    _plans.clear()
+                _plans[key] = plan
+    return plan
+
+
+def launcher(kernel: Any, targs: tuple, device: int) -> _runtime.Launcher:
+    """The launcher of one instantiation, shared by every plan that uses it."""
+    return lookup(("launcher", kernel.stem, kernel.name, targs, device), lambda: _runtime.Launcher(kernel, targs, device))
+
+
+def count() -> int:
+    return len(_plans)
+
+
+def clear_cache() -> None:
+    """Forget every plan, then every loaded function (the disk cache stays)."""
+    with _lock:
+        _plans.clear()
+    _runtime.clear_functions()
