@@ -1,32 +1,42 @@
-"""What every benchmark shares: the row record, GPU timing by CUDA events over rotating input sets,
-the copy bandwidth each figure is compared with, and the error against the float64 reference.
+"""What every benchmark shares: the row and task records, the byte floors, GPU timing, the copy
+bandwidth every figure is compared with, the error against the float64 reference and the
+progress display.
 
-Units: µs of GPU time (median over the repetitions), GB/s = 1e9 bytes (read + written) per
-second, % of copy = GB/s over the GB/s of a torch ``dst.copy_(src)`` measured in the same run.
+Units: µs of GPU time per call, from replaying a CUDA graph of many calls (no host cost inside);
+beside it the CUDA-event time of one call made eagerly. GB/s = 1e9 bytes (read + written) per
+second; % of copy = GB/s over the GB/s of a torch ``dst.copy_(src)`` measured in the same run.
 """
 
 from __future__ import annotations
 
 import gc
 import math
+import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-MAX_BYTES = 7e9  # shapes moving more than ~6 GB per call are skipped (65536 x 128 x 128 bf16 stays)
-COPY_BYTES = 2**30  # size of each of the copy benchmark's two buffers
+COPY_BYTES = 2**30  # each of the copy benchmark's two buffers
 SAMPLE_ROWS = 256  # (token, head) rows compared with the float64 reference
+
+# --- records ----------------------------------------------------------------------------------
 
 
 @dataclass
 class Row:
-    """One measurement. ``bytes``: what the call must read + write (the bytes floor); for the
-    empty-row ops: bytes written. ``us``: GPU µs (host µs for op "host", seconds x 1e6 for
-    op "compile")."""
+    """One measurement.
+
+    ``op`` names the table and the PNG panel, ``impl`` the column and the line. ``bytes``: what
+    the call must move (read + written; bytes written for the empty-row ops). ``us``: GPU µs per
+    call from a CUDA-graph replay (host µs for op "host", seconds x 1e6 for op "compile");
+    ``event_us``: CUDA-event time of one eager call. ``params``: what identifies the
+    configuration (layout, N, empty rows, mode...); ``stats``: how it was measured.
+    """
 
     op: str
     impl: str
@@ -36,20 +46,43 @@ class Row:
     D: int | None = None
     bytes: int = 0
     us: float | None = None
+    event_us: float | None = None
     gbps: float | None = None
     pct_copy: float | None = None
     max_err: float | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
     note: str = ""
 
 
 @dataclass
 class Task:
-    """One unit of work for the progress bar: ``run(bench)`` returns its rows."""
+    """One step of the progress bar: ``run(bench)`` returns its rows."""
 
-    part: str  # merge, fixup, mask, host, compile
+    part: str  # the --only name it belongs to
     label: str
     run: Callable[[Bench], list[Row]]
+
+
+# --- sizes ------------------------------------------------------------------------------------
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # label -> torch dtype name
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+def merge_bytes(dtype: str, T: int, H: int, D: int) -> int:
+    """merge_state: read 2 V + 2 LSE, write 1 V + 1 LSE (LSE float32)."""
+    return T * H * (3 * D * ITEMSIZE[dtype] + 3 * 4)
+
+
+def states_bytes(dtype: str, N: int, T: int, H: int, D: int) -> int:
+    """merge_states: read N V + N LSE, write 1 V + 1 LSE."""
+    return (N + 1) * T * H * (D * ITEMSIZE[dtype] + 4)
+
+
+def written_bytes(dtype: str, E: int, H: int, D: int) -> int:
+    """fixup / mask: V and LSE of the E empty rows written."""
+    return E * H * (D * ITEMSIZE[dtype] + 4)
 
 
 class Sets:
@@ -72,26 +105,39 @@ class Sets:
         return s
 
 
-class CudaTimer:
-    """Median GPU time of one call by CUDA events, each call on the next input set.
+# --- timing -----------------------------------------------------------------------------------
 
-    A spin kernel (``torch.cuda._sleep``) is queued before each batch of calls, long enough to
-    cover the host's time to enqueue the batch, so the events time the GPU work and not the
-    host's launch rate.
+
+class Timing(NamedTuple):
+    us: float  # GPU µs per call in a graph replay (the event time when no graph could be made)
+    event_us: float  # CUDA-event time of one eager call
+    stats: dict[str, Any]
+    note: str = ""
+
+
+class CudaTimer:
+    """GPU time of a call, two ways, each call on the next input set:
+
+    * graph: ``n`` calls (up to ``graph_calls``, fewer for long calls) captured in one CUDA
+      graph, replayed; the median replay time over ``n``. No host cost is inside.
+    * event: one eager call between two CUDA events, median over a few. A spin kernel queued
+      first covers the host's time to enqueue them, so the events time the GPU's work.
     """
 
-    def __init__(self, torch: Any, budget_s: float, min_reps: int, max_reps: int) -> None:
+    def __init__(self, torch: Any, *, budget_us: float, graph_calls: int = 50, max_replays: int = 20) -> None:
         self.torch = torch
-        self.budget_us = budget_s * 1e6
-        self.min_reps, self.max_reps = min_reps, max_reps
+        self.budget_us = budget_us
+        self.graph_calls = graph_calls
+        self.max_replays = max_replays
+        self.side = torch.cuda.Stream()  # captures run here, as torch.cuda.graph does
         self.cycles_per_us = self._calibrate()
 
     def _event(self) -> Any:
         return self.torch.cuda.Event(enable_timing=True)
 
     def _calibrate(self) -> float:
-        """Spin-kernel cycles per µs; the highest of a few readings after the clocks have
-        ramped up, so that a spin never lasts less than intended."""
+        """Spin-kernel cycles per µs: the highest of a few readings after the clocks ramped up,
+        so that a spin never lasts less than intended."""
         torch = self.torch
         torch.cuda._sleep(20_000_000)
         torch.cuda.synchronize()
@@ -105,83 +151,133 @@ class CudaTimer:
             best = max(best, cycles / (start.elapsed_time(end) * 1e3))
         return best
 
+    def _spin(self, us: float) -> None:
+        self.torch.cuda._sleep(int(min(us, 200_000.0) * self.cycles_per_us))
+
     def sync(self) -> None:
         self.torch.cuda.synchronize()
 
-    def time_us(self, call: Callable[[tuple], Any], sets: Sequence[tuple], nbytes: int = 0) -> float:
+    def time(self, call: Callable[..., Any], sets: Sequence[tuple], nbytes: int = 0) -> Timing:
         torch = self.torch
-        n = len(sets)
-        k = 0  # the rotation runs on through warm-up, estimates and timing
+        K = len(sets)
+        k = 0  # the rotation runs on through warm-up, events and the graph
 
-        def one() -> None:
+        def take(n: int) -> list[tuple]:
             nonlocal k
-            call(sets[k % n])
-            k += 1
+            out = [sets[(k + j) % K] for j in range(n)]  # built before anything is queued
+            k += n
+            return out
 
-        for _ in range(min(n, 3) + 1):  # compile, load, autotune; first touch of the sets
-            one()
+        for s in take(min(K, 3) + 1):  # compile, load, autotune; first touch of the sets
+            call(*s)
         torch.cuda.synchronize()
-        host = math.inf  # the host's time to enqueue one call (the GPU is idle, nothing blocks)
-        for _ in range(3):
+        host = math.inf  # host µs to enqueue one call (the GPU idle, nothing blocks)
+        for s in take(3):
             t = time.perf_counter()
-            one()
+            call(*s)
             host = min(host, time.perf_counter() - t)
             torch.cuda.synchronize()
+        host_us = host * 1e6
+        todo = take(3)
         t = time.perf_counter()
-        for _ in range(3):
-            one()
+        for s in todo:
+            call(*s)
         torch.cuda.synchronize()
         wall_us = (time.perf_counter() - t) / 3 * 1e6
-        host_us = host * 1e6
-        reps = int(min(self.max_reps, max(self.min_reps, self.budget_us / max(wall_us, 1.0))))
-        batch = int(min(64, max(1, 4000 / max(host_us, 1.0))))
-        times: list[float] = []
-        while len(times) < reps:
-            b = min(batch, reps - len(times))
-            todo = [sets[(k + j) % n] for j in range(b)]
-            k += b
-            starts = [self._event() for _ in range(b)]
-            ends = [self._event() for _ in range(b)]
-            spin_us = min(200_000.0, 2.0 * b * host_us + 50.0 + 10.0 * b)
-            torch.cuda._sleep(int(spin_us * self.cycles_per_us))
-            for s, e, args in zip(starts, ends, todo, strict=True):
-                s.record()
-                call(args)
-                e.record()
-            ends[-1].synchronize()
-            times += [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)]
-        return statistics.median(times)
+
+        reps = int(min(10, max(3, self.budget_us / 2 / max(wall_us, 1.0))))
+        todo = take(reps)
+        starts = [self._event() for _ in todo]
+        ends = [self._event() for _ in todo]
+        self._spin(2.0 * reps * host_us + 50.0)
+        for s, e, args in zip(starts, ends, todo, strict=True):
+            s.record()
+            call(*args)
+            e.record()
+        ends[-1].synchronize()
+        event_us = statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True))
+
+        n = int(min(self.graph_calls, max(3, 2000.0 / max(event_us, 0.1))))
+        stats: dict[str, Any] = {"sets": K, "event_reps": reps, "host_enqueue_us": host_us}
+        try:
+            graph = self._capture(call, take(n))
+        except Exception as e:  # an op that syncs or allocates outside torch: events only
+            torch.cuda.synchronize()
+            stats["timed_by"] = "events"
+            return Timing(event_us, event_us, stats, f"graph capture failed: {type(e).__name__}: {e}"[:200])
+        graph.replay()  # the first replay uploads the graph
+        torch.cuda.synchronize()
+        replays = int(min(self.max_replays, max(3, self.budget_us / 2 / max(n * event_us, 1.0))))
+        marks = [self._event() for _ in range(replays + 1)]
+        self._spin(30.0 * replays + 50.0)
+        marks[0].record()
+        for m in marks[1:]:
+            graph.replay()
+            m.record()
+        marks[-1].synchronize()
+        per_call = [a.elapsed_time(b) * 1e3 / n for a, b in zip(marks, marks[1:], strict=False)]
+        del graph
+        stats.update(graph_calls=n, replays=replays, replay_spread_us=[min(per_call), max(per_call)])
+        return Timing(statistics.median(per_call), event_us, stats)
+
+    def _capture(self, call: Callable[..., Any], todo: list[tuple]) -> Any:
+        """One CUDA graph of ``call`` over ``todo``. Captured on a side stream by hand:
+        ``torch.cuda.graph`` runs a garbage collection on entry (tens of ms per measurement)."""
+        torch = self.torch
+        graph = torch.cuda.CUDAGraph()
+        self.side.wait_stream(torch.cuda.current_stream())
+        failure: Exception | None = None
+        with torch.cuda.stream(self.side):
+            graph.capture_begin()
+            try:
+                for s in todo:
+                    call(*s)
+            except Exception as e:
+                failure = e
+            try:
+                graph.capture_end()
+            except Exception as e:
+                failure = failure or e
+        torch.cuda.current_stream().wait_stream(self.side)
+        if failure is not None:
+            raise failure
+        return graph
 
 
 class FakeTimer:
-    """The harness on the CPU (``--dry-run``): each call runs once, the time is synthetic."""
+    """The pipeline on the CPU (``--dry-run``): each call runs on a couple of sets, the time is
+    synthetic (as if 3000 GB/s after 2 µs)."""
 
     def sync(self) -> None:
         pass
 
-    def time_us(self, call: Callable[[tuple], Any], sets: Sequence[tuple], nbytes: int = 0) -> float:
-        for k in range(min(len(sets), 2)):
-            call(sets[k])
-        return 3.0 + nbytes / 3.0e3  # as if 3000 GB/s after a 3 µs launch
+    def time(self, call: Callable[..., Any], sets: Sequence[tuple], nbytes: int = 0) -> Timing:
+        todo = [sets[j % len(sets)] for j in range(min(len(sets), 4))]
+        for s in todo[:2]:
+            call(*s)
+        us = 2.0 + nbytes / 3.0e3
+        return Timing(us, us + 1.5, {"sets": len(sets), "timed_by": "fake"})
 
 
 class Bench:
-    """The context every task receives: device, timer, L2 size and the copy bandwidth."""
+    """The context every task receives: device, timer, mode, L2 size and the copy bandwidth."""
 
-    def __init__(self, torch: Any, device: Any, timer: Any, *, l2_bytes: int, quick: bool, dry: bool):
+    def __init__(self, torch: Any, device: Any, timer: Any, *, l2_bytes: int, mode: str) -> None:
         self.torch = torch
         self.device = device
         self.timer = timer
         self.l2_bytes = l2_bytes
-        self.quick = quick
-        self.dry = dry
+        self.mode = mode  # "full", "quick" or "dry"
         self.copy_gbps: float | None = None
-        self.empty_launch_us: float | None = None
         self.shared: dict[str, Any] = {}  # figures one task leaves for a later one
 
     @property
-    def mode(self) -> str:
-        return "dry" if self.dry else ("quick" if self.quick else "full")
+    def dry(self) -> bool:
+        return self.mode == "dry"
+
+    @property
+    def quick(self) -> bool:
+        return self.mode == "quick"
 
     def n_sets(self, set_bytes: float) -> int:
         """Rotating sets so that a set is out of L2 when it comes round again: one when a set
@@ -190,8 +286,11 @@ class Bench:
             return 1
         return max(3, int(2 * self.l2_bytes // set_bytes) + 1)
 
-    def time_us(self, call: Callable[[tuple], Any], sets: Sequence[tuple], nbytes: int = 0) -> float:
-        return self.timer.time_us(call, sets, nbytes)
+    def free_bytes(self) -> int:
+        if self.dry:
+            return 2**40
+        free, _ = self.torch.cuda.mem_get_info(self.device)
+        return int(free)
 
     def sync(self) -> None:
         self.timer.sync()
@@ -211,55 +310,33 @@ class Bench:
         check: Callable[[Callable[..., Any]], float] | None = None,
         **fields: Any,
     ) -> Row:
-        """Check (max error on a sample), then time ``call(*set)``; a failure becomes a row
-        with a note instead of ending the run."""
-        fields.setdefault("params", {})["sets"] = len(sets)
+        """Check (max error on a sample), then time ``call(*set)``; a failure becomes a row with
+        a note instead of ending the run."""
         try:
             err = check(call) if check is not None else None
-            us = self.time_us(lambda s: call(*s), sets, nbytes)
+            t = self.timer.time(call, sets, nbytes)
         except Exception as e:  # one implementation failing must not stop the run
-            return Row(
-                op=op, impl=impl, bytes=int(nbytes), note=f"failed: {type(e).__name__}: {e}"[:300], **fields
-            )
-        return self.row(op, impl, nbytes, us, max_err=err, **fields)
+            note = f"failed: {type(e).__name__}: {e}"[:300]
+            return Row(op=op, impl=impl, bytes=int(nbytes), note=note, **fields)
+        row = self.row(op, impl, nbytes, t.us, event_us=t.event_us, max_err=err, stats=t.stats, **fields)
+        row.note = t.note
+        return row
 
 
-# --- reference measurements -----------------------------------------------------------------
-
-
-def copy_row(b: Bench, nbytes: int = COPY_BYTES) -> Row:
-    """torch ``dst.copy_(src)`` of ``nbytes``; counts read + written (2 x nbytes)."""
+def copy_row(b: Bench) -> Row:
+    """torch ``dst.copy_(src)``; counts read + written (2 x the buffer)."""
     torch = b.torch
+    nbytes = 2**20 if b.dry else COPY_BYTES
     src = torch.ones(nbytes, dtype=torch.uint8, device=b.device)
     dst = torch.empty_like(src)
-    sets = Sets(b.n_sets(2 * nbytes), lambda k: (dst, src))
-    us = b.time_us(lambda s: s[0].copy_(s[1]), sets, 2 * nbytes)
-    b.copy_gbps = 2 * nbytes / (us * 1e3)
-    return b.row("copy", "torch", 2 * nbytes, us, dtype="uint8", params={"buffer_bytes": nbytes})
+    t = b.timer.time(lambda d, s: d.copy_(s), Sets(1, lambda k: (dst, src)), 2 * nbytes)
+    b.copy_gbps = 2 * nbytes / (t.us * 1e3)
+    row = b.row("copy", "torch copy_", 2 * nbytes, t.us, dtype="uint8", event_us=t.event_us, stats=t.stats)
+    row.params["buffer_bytes"] = nbytes
+    return row
 
 
-class _Stream:
-    """CuPy takes any object with an integer ``.ptr`` as a stream."""
-
-    def __init__(self, ptr: int) -> None:
-        self.ptr = ptr
-
-
-def empty_launch_row(b: Bench) -> Row:
-    """GPU time of an empty kernel launched by CuPy on torch's current stream."""
-    if b.dry:
-        us = b.time_us(lambda s: None, Sets(1, lambda k: ()), 0)
-    else:
-        import cupy
-
-        kernel = cupy.RawKernel('extern "C" __global__ void empty() {}', "empty")
-        stream = _Stream(b.torch.cuda.current_stream().cuda_stream)
-        us = b.time_us(lambda s: kernel((1,), (1,), (), stream=stream), Sets(1, lambda k: ()), 0)
-    b.empty_launch_us = us
-    return Row(op="empty_launch", impl="cupy", us=us)
-
-
-# --- correctness on a sample ----------------------------------------------------------------
+# --- correctness on a sample ------------------------------------------------------------------
 
 
 def to_np(t: Any) -> np.ndarray:
@@ -267,7 +344,7 @@ def to_np(t: Any) -> np.ndarray:
 
 
 def sample_rows(torch: Any, T: int, H: int, device: Any, n: int = SAMPLE_ROWS) -> tuple[Any, Any]:
-    """Up to ``n`` distinct (token, head) pairs, always including the first and the last row."""
+    """Up to ``n`` distinct (token, head) pairs, always the first and the last row."""
     total = T * H
     if total <= n:
         flat = torch.arange(total)
@@ -279,41 +356,85 @@ def sample_rows(torch: Any, T: int, H: int, device: Any, n: int = SAMPLE_ROWS) -
     return flat // H, flat % H
 
 
-def max_err(got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> float:
-    """Largest absolute difference; ``inf`` when NaN or infinities are not at the same places."""
-    worst = 0.0
-    for a, b in zip(got, want, strict=True):
-        a = np.asarray(a, dtype=np.float64)
-        b = np.asarray(b, dtype=np.float64)
-        if (np.isnan(a) != np.isnan(b)).any() or (np.isinf(a) != np.isinf(b)).any():
-            return math.inf
-        if (a[np.isinf(a)] != b[np.isinf(b)]).any():
-            return math.inf
-        fin = np.isfinite(b)
-        if fin.any():
-            worst = max(worst, float(np.abs(a[fin] - b[fin]).max()))
-    return worst
-
-
-def host_us(b: Bench, call: Callable[[], Any], n: int, warmup: int = 200) -> float:
-    """Host µs per call: ``n`` calls back to back, synchronised before and after."""
-    for _ in range(warmup):
-        call()
-    b.sync()
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        t = time.perf_counter()
-        for _ in range(n):
-            call()
-        b.sync()
-        return (time.perf_counter() - t) / n * 1e6
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+# TODO(zerokv.reference.max_error): this helper belongs next to the float64 reference, as
+# ``zerokv.reference.max_error(actual, expected) -> float``, shared with the self-check and the
+# tests; import it from there once it exists and delete this copy.
+def max_error(actual: Any, expected: Any) -> float:
+    """Largest absolute difference over the finite expected values; ``inf`` when NaN or
+    infinities (with their signs) are not at the same places."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    if a.shape != e.shape:
+        raise ValueError(f"max_error: shapes {a.shape} and {e.shape} differ")
+    if (np.isnan(a) != np.isnan(e)).any() or (np.isinf(a) != np.isinf(e)).any():
+        return math.inf
+    if (a[np.isinf(a)] != e[np.isinf(e)]).any():
+        return math.inf
+    fin = np.isfinite(e)
+    return float(np.abs(a[fin] - e[fin]).max()) if fin.any() else 0.0
 
 
 def free_memory(b: Bench) -> None:
-    gc.collect()
-    if not b.dry:
-        b.torch.cuda.empty_cache()
+    """Hand cached blocks back after a task that held a lot (a collection costs tens of ms, so
+    not after every task)."""
+    if b.dry:
+        return
+    torch = b.torch
+    if torch.cuda.memory_reserved(b.device) > 8 * 2**30:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+# --- progress ---------------------------------------------------------------------------------
+
+
+def brief(rows: list[Row]) -> str:
+    """A few words per row: implementation, µs, % of copy (or what went wrong)."""
+    parts = []
+    for r in rows[:6]:
+        if r.us is None:
+            parts.append(f"{r.impl}: {r.note.split(':')[0] or '-'}")
+        elif r.op == "compile":
+            parts.append(f"{r.impl} {r.params.get('item')} {r.us / 1e6:.2f} s")
+        elif r.pct_copy is not None:
+            parts.append(f"{r.impl} {r.us:.1f} µs {r.pct_copy:.0f}%")
+        else:
+            parts.append(f"{r.impl} {r.us:.2f} µs")
+    return "; ".join(parts)
+
+
+class Progress:
+    """A tqdm bar on a terminal when tqdm is installed, one plain line per task otherwise."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.count = 0
+        self.bar: Any = None
+        if sys.stderr.isatty() and shutil.get_terminal_size((0, 0)).columns >= 40:
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, unit="task", dynamic_ncols=True, file=sys.stderr)
+            except ImportError:
+                pass
+
+    def start(self, label: str) -> None:
+        if self.bar is not None:
+            self.bar.set_description_str(label[:48])
+
+    def done(self, label: str, rows: list[Row], seconds: float) -> None:
+        self.count += 1
+        if self.bar is not None:
+            self.bar.update(1)
+        else:
+            print(f"[{self.count}/{self.total}] {label}: {brief(rows)} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+
+    def write(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -33,12 +33,48 @@ template <> __device__ __forceinline__ zk_bfloat16 from_float<zk_bfloat16>(float
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h.bits) : "f"(f));
   return h;
 }
-// e4m3 with saturation to +-448 (NaN stays NaN), as engines' fp8 outputs expect.
-template <> __device__ __forceinline__ zk_fp8_e4m3 from_float<zk_fp8_e4m3>(float f) {
+// float -> e4m3 (fp8) as `cvt.rn.satfinite.e4m3x2.f32` does it: round to nearest even, finite
+// values and +-inf saturate to +-448, NaN gives 0x7f. The instruction exists from sm_89; below
+// that (A100, A10, RTX 30) the same conversion runs in integer arithmetic on the float's bits, so
+// -ftz=true cannot touch it (a float denormal is far below half the smallest e4m3 step: +-0).
+__device__ __forceinline__ unsigned char fp8_e4m3_software(float f) {
+  const unsigned u = __float_as_uint(f);
+  const unsigned sign = (u >> 24) & 0x80u;
+  const unsigned a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return 0x7f;                  // NaN, whatever its sign
+  if (a >= 0x43e00000u) return sign | 0x7e;          // >= 448 (inf included): saturate
+  if (a <= 0x3a800000u) return sign;                 // <= 2^-10: a tie at most, to even: +-0
+  const int e = (int)(a >> 23) - 127;                // unbiased exponent, -10 <= e <= 8
+  unsigned m = (a & 0x7fffffu) | 0x800000u;          // 24-bit significand
+  unsigned bits, shift;
+  if (e >= -6) {                                     // e4m3 normal: keep 3 fraction bits
+    shift = 20;
+    bits = ((unsigned)(e + 7) << 3) | ((m >> 20) & 7u);
+  } else {                                           // e4m3 denormal: units of 2^-9
+    shift = (unsigned)(14 - e);                      // 21..24
+    bits = m >> shift;
+  }
+  const unsigned rest = m & ((1u << shift) - 1u), half = 1u << (shift - 1u);
+  bits += (rest > half || (rest == half && (bits & 1u))) ? 1u : 0u;  // a carry moves the exponent
+  return (unsigned char)(sign | bits);
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+__device__ __forceinline__ unsigned char fp8_e4m3_hardware(float f) {
   unsigned short pair;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.0f), "f"(f));
+  return (unsigned char)(pair & 0xff);
+}
+#endif
+
+// ZK_FP8_SOFTWARE (defined by a test) takes the software path on any GPU.
+template <> __device__ __forceinline__ zk_fp8_e4m3 from_float<zk_fp8_e4m3>(float f) {
   zk_fp8_e4m3 r;
-  r.bits = (unsigned char)(pair & 0xff);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(ZK_FP8_SOFTWARE)
+  r.bits = fp8_e4m3_hardware(f);
+#else
+  r.bits = fp8_e4m3_software(f);
+#endif
   return r;
 }
 
@@ -97,14 +133,24 @@ __device__ __forceinline__ i64 load_index(const void* p, int is64, i64 i) {
   return is64 ? static_cast<const i64*>(p)[i] : (i64) static_cast<const int*>(p)[i];
 }
 
-// Request r with cu[r] <= t < cu[r + 1] (cu has B + 1 non-decreasing entries).
-__device__ __forceinline__ i64 find_request(const void* cu, int is64, i64 B, i64 t) {
-  i64 lo = 0, hi = B;  // invariant: cu[lo] <= t < cu[hi]
+// An offset clipped to the rows of the tensor, [0, T]: offsets are trusted for meaning, never
+// for memory.
+__device__ __forceinline__ i64 clip_row(i64 x, i64 T) { return x < 0 ? 0 : (x > T ? T : x); }
+
+// Whether row t belongs to a request flagged empty by lens[q] == 0. The request is the one a
+// binary search over cu (B + 1 entries) finds; for non-decreasing offsets, the r with
+// cu[r] <= t < cu[r + 1]. Its span is clipped to [0, T): a row no request covers is not empty.
+// B = 0 reads nothing. The CPU path (zerokv/_host.py) applies the same search.
+__device__ __forceinline__ bool row_in_empty_request(const void* cu, const void* lens, int is64, i64 B, i64 T,
+                                                     i64 t) {
+  if (B <= 0) return false;
+  i64 lo = 0, hi = B;
   while (hi - lo > 1) {
-    i64 mid = (lo + hi) >> 1;
+    const i64 mid = (lo + hi) >> 1;
     if (load_index(cu, is64, mid) <= t) lo = mid; else hi = mid;
   }
-  return lo;
+  const i64 start = clip_row(load_index(cu, is64, lo), T), end = clip_row(load_index(cu, is64, lo + 1), T);
+  return start <= t && t < end && load_index(lens, is64, lo) == 0;
 }
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }

@@ -3,11 +3,15 @@
 //   m = max(s_a, s_b);  w_x = base^(s_x - m);  V = (w_a V_a + w_b V_b) / (w_a + w_b)
 //   S = m + log_base(w_a + w_b)
 //
-// Empty rule: an LSE of -inf or +inf gives weight 0 and that input's V is never read (it may
-// hold NaN/Inf scratch); two empty inputs give (0, -inf). NaN in an LSE propagates to the row.
+// Empty rule: an LSE of -inf or +inf gives weight 0 and that input's V never reaches the output
+// (it may hold NaN/Inf scratch: it is selected away, never multiplied by zero); two empty inputs
+// give (0, -inf). NaN in an LSE propagates to the row.
+//
+// Sinks (optional, float32 [H], in the LSE's base): attention-sink logits counted once in the
+// final normaliser: S' = logaddexp(S, sink_h), out *= base^(S - S').
 #include "common.cuh"
 
-// Per-row coefficients: out = ca * V_a + cb * V_b (a zero coefficient: that V is not read),
+// Per-row coefficients: out = ca * V_a + cb * V_b (a zero coefficient: that V is not used),
 // and the row's output LSE.
 struct RowCoef {
   float ca, cb, lse;
@@ -34,6 +38,20 @@ __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float i
   return c;
 }
 
+// Folds an attention sink into a row's LSE; returns the factor its V is multiplied by.
+__device__ __forceinline__ float apply_sink(float& lse, float sink, float k, float inv_k) {
+  if (sink == neg_inf() || isnan(lse)) return 1.f;
+  if (lse == neg_inf()) {  // no keys at all: the sink takes all the weight, V is 0
+    lse = sink;
+    return 0.f;
+  }
+  const float m = fmaxf(lse, sink);
+  const float total = m + fast_log2(fast_exp2((lse - m) * k) + fast_exp2((sink - m) * k)) * inv_k;
+  const float factor = fast_exp2((lse - total) * k);
+  lse = total;
+  return factor;
+}
+
 // Each warp merges a tile of `tile_rows` (<= 32; fewer when there are few rows, so that more
 // warps share them) consecutive rows (token t, head h) in two phases.
 //  1. Lane i takes row i of the tile: reads its LSEs (coalesced), computes its coefficients and
@@ -46,7 +64,7 @@ __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float i
 constexpr int U = 4;
 
 template <typename Tin, typename Tout, int VEC>
-__global__ void __launch_bounds__(128, 5) merge_state_kernel(
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, 5) merge_state_kernel(
     const Tin* va, i64 va_st, i64 va_sh,
     const Tin* vb, i64 vb_st, i64 vb_sh,
     Tout* out, i64 out_st, i64 out_sh,
@@ -58,6 +76,7 @@ __global__ void __launch_bounds__(128, 5) merge_state_kernel(
     i64 suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
     const void* a_cu, const void* a_lens, i64 a_batch, i64 a_is64,  // requests with empty a
     const unsigned char* row_mask,  // rows with mask 0 are not touched (null: all rows)
+    const float* sinks,             // [H] attention-sink logits (null: none)
     float k, float inv_k,
     const float* out_scale) {       // fp8 output: out = merged / *out_scale (null: 1)
   const int lane = threadIdx.x & 31;
@@ -75,10 +94,7 @@ __global__ void __launch_bounds__(128, 5) merge_state_kernel(
   }
   if (live) {
     bool use_a = t < prefix_rows;
-    if (use_a && a_cu != nullptr) {
-      const i64 q = find_request(a_cu, (int)a_is64, a_batch, t);
-      use_a = load_index(a_lens, (int)a_is64, q) != 0;
-    }
+    if (use_a && a_cu != nullptr) use_a = !row_in_empty_request(a_cu, a_lens, (int)a_is64, a_batch, T, t);
     const float lb = sb[t * sb_st + h * sb_sh];
     const float la = use_a ? sa[t * sa_st + h * sa_sh] : neg_inf();
     if (t >= prefix_rows && suffix_verbatim) {
@@ -86,6 +102,11 @@ __global__ void __launch_bounds__(128, 5) merge_state_kernel(
       c.lse = lb;
     } else {
       c = combine2(la, lb, k, inv_k);
+      if (sinks != nullptr) {
+        const float f = apply_sink(c.lse, sinks[h], k, inv_k);
+        c.ca *= f;
+        c.cb *= f;
+      }
     }
   }
 
@@ -138,12 +159,13 @@ __global__ void __launch_bounds__(128, 5) merge_state_kernel(
 // the tile's V, each lane recomputing an input's weight from its LSE (an L1 hit) and skipping
 // the V of empty inputs and of inputs whose weight underflows to 0.
 template <typename Tin, typename Tout, int VEC>
-__global__ void __launch_bounds__(128) merge_states_kernel(
+__global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_kernel(
     const Tin* __restrict__ v, i64 v_sn, i64 v_st, i64 v_sh,
     const float* __restrict__ s, i64 s_sn, i64 s_st, i64 s_sh,
     Tout* __restrict__ out, i64 out_st, i64 out_sh,
     float* __restrict__ olse, i64 ol_st, i64 ol_sh,
-    i64 N, i64 T, i64 H, i64 D, i64 lanes, i64 tile_rows, float k, float inv_k, const float* out_scale) {
+    i64 N, i64 T, i64 H, i64 D, i64 lanes, i64 tile_rows, const float* sinks, float k, float inv_k,
+    const float* out_scale) {
   const int lane = threadIdx.x & 31;
   const i64 rows = T * H;
   const i64 tile = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
@@ -170,8 +192,9 @@ __global__ void __launch_bounds__(128) merge_states_kernel(
       }
       scale = 1.f / sum;
     }
-    if (olse != nullptr)
-      olse[t * ol_st + h * ol_sh] = nan ? quiet_nan() : (sum > 0.f ? m + fast_log2(sum) * inv_k : neg_inf());
+    float row_lse = nan ? quiet_nan() : (sum > 0.f ? m + fast_log2(sum) * inv_k : neg_inf());
+    if (sinks != nullptr) scale *= apply_sink(row_lse, sinks[h], k, inv_k);
+    if (olse != nullptr) olse[t * ol_st + h * ol_sh] = row_lse;
     if (nan) {  // every weight becomes NaN: the row shows the bug
       m = 0.f;
       scale = quiet_nan();

@@ -56,9 +56,18 @@ def test_vllm_both_empty_gives_zero_and_minus_inf_and_no_lse_when_none(device):
     s_p[:] = -INF
     s_s[:] = -INF
     v_p[:] = NAN  # scratch garbage
+    kept = s_p.clone(), s_s.clone()
     output = torch.full_like(v_p, NAN)
     vllm.merge_attn_states(output, v_p, s_p.T, v_s, s_s.T)
     assert (output == 0).all()
+    # no output_lse: the LSE inputs (the only LSE buffers in reach) are left as they were
+    assert torch.equal(s_p, kept[0]) and torch.equal(s_s, kept[1])
+    # with an output_lse: -inf in every entry of the [H, T] buffer
+    output = torch.full_like(v_p, NAN)
+    output_lse = torch.full((2, 8), NAN, device=device)
+    vllm.merge_attn_states(output, v_p, s_p.T, v_s, s_s.T, output_lse)
+    assert (output == 0).all()
+    assert (output_lse == -INF).all()
 
 
 def test_vllm_errors_name_vllm_arguments():

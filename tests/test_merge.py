@@ -81,11 +81,25 @@ def test_in_place_aliasing_cpu():
     assert_close(s_a, ref[1], torch.float32)
 
 
-def test_out_without_out_lse_writes_no_lse():
-    v_a, s_a, v_b, s_b = make_states(8, 2, 4, torch.float32)
-    out = torch.full_like(v_a, NAN)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_out_without_out_lse_writes_no_lse(device):
+    T, H, D = 130, 2, 8
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.float32, device, seed=41)
+    inputs = (v_a, s_a, v_b, s_b)
+    kept = [x.clone() for x in inputs]
+    # out is the front of a poisoned buffer whose tail is where an LSE could land
+    buf = torch.full((T * H * D + T * H + 64,), NAN, device=device)
+    out = buf[: T * H * D].view(T, H, D)
     res = zerokv.merge_state(v_a, s_a, v_b, s_b, out=out)
     assert res[0] is out and res[1] is None
+    ref_out, _ = reference.merge_state(*(f64(x) for x in kept))
+    assert_close(out, ref_out, torch.float32, "out")
+    tail = buf[T * H * D :].view(torch.int32)
+    assert torch.equal(tail, torch.full_like(buf[:1], NAN).view(torch.int32).expand_as(tail)), (
+        "an LSE was written"
+    )
+    for x, k in zip(inputs, kept, strict=True):  # nor into an input LSE (or V)
+        assert torch.equal(x.view(torch.int32), k.view(torch.int32))
 
 
 def test_a_empty_treats_requests_state_a_as_empty_cpu():
@@ -355,11 +369,30 @@ def test_cuda_graph_capture_and_replay():
 
 @pytest.mark.gpu
 def test_zero_size_is_a_no_op_gpu():
-    for shape in ((0, 4, 8), (4, 0, 8)):
+    """Zero tokens or zero heads: the results have the right shapes and nothing is written, not
+    even with given outputs (views inside poisoned buffers) or offsets that claim rows."""
+    for T, H in ((0, 4), (4, 0)):
+        shape = (T, H, 8)
         v = torch.empty(shape, device="cuda")
         s = torch.empty(shape[:2], device="cuda")
         out, lse = zerokv.merge_state(v, s, v, s)
         assert out.shape == shape and lse.shape == shape[:2]
+
+        v_buf = torch.full((T + 2, H + 2, 8), NAN, device="cuda")
+        s_buf = torch.full((T + 2, H + 2), NAN, device="cuda")
+        o_buf = torch.full((T + 2, H + 2, 8), NAN, device="cuda")
+        l_buf = torch.full((T + 2, H + 2), NAN, device="cuda")
+        kept = [b.clone() for b in (v_buf, s_buf, o_buf, l_buf)]
+        v, s = v_buf[1 : T + 1, 1 : H + 1], s_buf[1 : T + 1, 1 : H + 1]
+        out, lse = o_buf[1 : T + 1, 1 : H + 1], l_buf[1 : T + 1, 1 : H + 1]
+        cu = torch.tensor([0, 2, 4], dtype=torch.int32, device="cuda")
+        kv = torch.zeros(2, dtype=torch.int32, device="cuda")
+        zerokv.merge_state(v, s, v, s, out=out, out_lse=lse)
+        zerokv.merge_state(v, s, v, s, out=out, out_lse=lse, a_empty=(cu, kv), prefix_rows=0)
+        zerokv.merge_states(torch.stack([v, v]), torch.stack([s, s]), out=out, out_lse=lse)
+        torch.cuda.synchronize()
+        for b, k in zip((v_buf, s_buf, o_buf, l_buf), kept, strict=True):
+            assert torch.equal(b.view(torch.int32), k.view(torch.int32)), f"written with T={T}, H={H}"
 
 
 @pytest.mark.gpu

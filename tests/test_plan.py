@@ -86,3 +86,79 @@ def test_errors(q, ctx, budget, exc, needle):
 def test_lengths_off_the_cpu_are_rejected():
     with pytest.raises(ValueError, match="CPU"):
         zerokv.plan_context_chunks(torch.tensor([1], device="meta"), torch.tensor([2]), 8)
+
+
+# --- values are checked before anything is cast or allocated ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "q, ctx, budget, exc, needle",
+    [
+        (np.array([2**63, 1], np.uint64), [3, 4], 8, ValueError, "query_lens: length 9223372036854775808"),
+        ([1, 2], np.array([1, 2**64 - 1], np.uint64), 8, ValueError, "context_lens: length 18446744073709551615"),
+        ([1], [2**31], 8, ValueError, "context_lens: length 2147483648 at index 0 exceeds int32"),
+        ([2**31 - 1, 1], [1, 1], 8, ValueError, "query_lens: the total 2147483648 exceeds int32"),
+        ([1, 1], [2**31 - 1, 2**31 - 1], 2**32, ValueError, "chunk_tokens: a chunk of 4294967294"),
+        ([1], [10**12], 1, ValueError, "context_lens"),
+        ([1], [2**31 - 1], 1, ValueError, "plan entries"),
+        ([1], [2], 2**63, ValueError, "chunk_tokens: expected at most 2"),
+        (torch.tensor([1.0]), [2], 8, TypeError, "query_lens: expected integers, got dtype torch.float32"),
+        (torch.tensor([1.0], requires_grad=True), [2], 8, TypeError, "query_lens: expected integers"),
+        (torch.tensor([True]), [2], 8, TypeError, "query_lens: expected integers"),
+        ([1], np.array([2.0]), 8, TypeError, "context_lens: expected integers"),
+        ([1], np.array([True]), 8, TypeError, "context_lens: expected integers"),
+        (None, [2], 8, TypeError, "query_lens"),
+        (5, [2], 8, TypeError, "query_lens"),
+        (["a"], [2], 8, TypeError, "query_lens"),
+        ([1], [2], True, TypeError, "chunk_tokens"),
+        ([1], [2], np.float32(8), TypeError, "chunk_tokens"),
+        ([1], [2], -8, ValueError, "chunk_tokens"),
+    ],
+)
+def test_bad_values_are_refused_before_casting(q, ctx, budget, exc, needle):
+    with pytest.raises(exc, match=needle):
+        zerokv.plan_context_chunks(q, ctx, budget)
+
+
+@pytest.mark.parametrize("align, exc", [(0, ValueError), (-4, ValueError), (1.0, TypeError), (2**64, ValueError)])
+def test_bad_align(align, exc):
+    with pytest.raises(exc, match="align"):
+        zerokv.plan_context_chunks([1], [2], 8, align=align)
+
+
+def test_a_huge_context_is_refused_without_allocating(monkeypatch):
+    """[1], [10**12], 1 would be 10^12 chunks: refused before numpy is asked for memory."""
+    calls = []
+    for name in ("zeros", "arange", "empty"):
+        real = getattr(np, name)
+        monkeypatch.setattr(
+            np, name, lambda *a, _real=real, _name=name, **k: calls.append((_name, a)) or _real(*a, **k)
+        )
+    for ctx in ([10**12], [2**31 - 1]):
+        with pytest.raises(ValueError):
+            zerokv.plan_context_chunks([1], ctx, 1)
+    assert calls == []
+
+
+def test_uint64_lengths_that_fit_are_planned_like_int64():
+    plan = _check_plan(np.array([3, 0, 5], np.uint64), np.array([10, 0, 25], np.uint64), 24)
+    ref = zerokv.plan_context_chunks([3, 0, 5], [10, 0, 25], 24)
+    np.testing.assert_array_equal(plan.lens, ref.lens)
+
+
+def test_strided_torch_lengths_are_read_as_they_are():
+    q = torch.tensor([3, 1], dtype=torch.int64)[::1]
+    ctx = torch.tensor([0, 9, 0, 4], dtype=torch.int32)[::2]  # a strided view: [0, 0]
+    plan = _check_plan(q, ctx, 8)
+    assert plan.num_chunks == 0
+
+
+def test_the_largest_values_that_fit_are_planned():
+    big = 2**31 - 1
+    plan = zerokv.plan_context_chunks([big], [big], 2**62)
+    assert plan.num_chunks == 1 and plan.chunk_width == 2**62
+    assert plan.cu_seqlens_kv.tolist() == [[0, big]] and plan.cu_seqlens_q.tolist() == [0, big]
+    # many chunks, right at the int32 edge of the context
+    plan = zerokv.plan_context_chunks([1, 1], [big, 5], 2**28)
+    assert plan.num_chunks == -(-big // 2**27)
+    assert int(plan.starts[-1, 0]) + int(plan.lens[-1, 0]) == big

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import zerokv  # noqa: F401  (the ops register their instantiations on import)
-from zerokv import _offline, _runtime
+from zerokv import _kernels, _offline, _runtime
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = REPO / "kernels_cu"
@@ -46,7 +45,7 @@ def _body(header: str) -> str:
 
 def test_every_stem_is_a_kernel_source():
     assert STEMS, "kernels_cu/ holds no .cu file"
-    assert set(STEMS) == set(_runtime.INSTANTIATIONS), "every .cu has registered instantiations"
+    assert set(STEMS) == set(_kernels.instantiations()), "every .cu has described kernels"
 
 
 @pytest.mark.parametrize("stem", STEMS)
@@ -116,7 +115,7 @@ def test_editing_a_header_changes_cupys_cache_key(tmp_path, monkeypatch):
     )
 
     def key(code: str) -> str:
-        expr = _runtime.INSTANTIATIONS["merge"][0]
+        expr = _kernels.MERGE_STATE.expressions[0]
         with pytest.raises(Looked):
             compiler._compile_module_with_cache(
                 code, _runtime.NVRTC_OPTIONS, arch="90", name_expressions=[expr]
@@ -137,7 +136,8 @@ def test_editing_a_header_changes_cupys_cache_key(tmp_path, monkeypatch):
 
 def test_offline_compile_of_every_instantiation():
     results = _offline.compile_all("sm_90")
-    expected = [(stem, e) for stem in sorted(_runtime.INSTANTIATIONS) for e in _runtime.INSTANTIATIONS[stem]]
+    inst = _kernels.instantiations()
+    expected = [(stem, e) for stem in sorted(inst) for e in inst[stem]]
     assert [(r.stem, r.expression) for r in results] == expected
     assert len(expected) == len(set(expected))
     for r in results:
@@ -197,7 +197,7 @@ def test_installed_wheel_finds_its_kernels(tmp_path):
         assert Path(zerokv.__file__).resolve().is_relative_to(target), zerokv.__file__
         assert _runtime.kernel_dir().resolve().is_relative_to(target), _runtime.kernel_dir()
         assert '#include "' not in _runtime.source("merge")
-        results = _offline.compile_stem("fixup", "sm_90")
+        results = _offline.compile_stem("empty_rows", "sm_90")
         assert results and all(r.lowered_name and r.cubin_bytes > 0 for r in results)
         print("ok", len(results))
         """
@@ -221,22 +221,21 @@ def test_installed_wheel_finds_its_kernels(tmp_path):
 
 
 def test_concurrent_first_calls_build_once(monkeypatch):
-    builds: dict[tuple[str, str, int], int] = {}
+    builds: dict[tuple[str, int], int] = {}
     count_lock = threading.Lock()
 
-    def slow_build(stem, expr, device):
+    def slow_build(code, expr, device):
         with count_lock:
-            builds[(stem, expr, device)] = builds.get((stem, expr, device), 0) + 1
+            builds[(expr, device)] = builds.get((expr, device), 0) + 1
         time.sleep(0.05)
         return object()
 
     monkeypatch.setattr(_runtime, "_build", slow_build)
     monkeypatch.setattr(_runtime, "_functions", {})
-    keys = [
-        ("merge", _runtime.INSTANTIATIONS["merge"][0], 0),
-        ("merge", _runtime.INSTANTIATIONS["merge"][0], 1),
-    ]
-    keys += [("fixup", _runtime.INSTANTIATIONS["fixup"][0], 0)]
+    merge_expr = _kernels.MERGE_STATE.expressions[0]
+    rows_expr = _kernels.EMPTY_ROWS.expressions[0]
+    keys = [(_kernels.MERGE_STATE, merge_expr, 0), (_kernels.MERGE_STATE, merge_expr, 1)]
+    keys += [(_kernels.EMPTY_ROWS, rows_expr, 0)]
     n_threads = 8
     start = threading.Barrier(n_threads)
     got: list[list[object]] = [[] for _ in range(n_threads)]
@@ -256,55 +255,9 @@ def test_concurrent_first_calls_build_once(monkeypatch):
     for t in threads:
         t.join()
     assert not errors, errors
-    assert builds == {key: 1 for key in keys}
+    assert builds == {(e, d): 1 for _, e, d in keys}
     for key in keys:
         assert len({id(fn) for results in got for k, fn in results if k == key}) == 1
     # later calls hit the cache
     assert _runtime.function(*keys[0]) is dict(got[0])[keys[0]]
-    assert builds == {key: 1 for key in keys}
-
-
-# --- launch arguments: the struct layouts match the kernels' C parameter lists ----------------
-
-_GLOBAL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^)]*)\)", re.S)
-
-
-def _c_layout(stem: str, kernel: str) -> str:
-    """The struct format of a kernel's parameters: 8-byte pointers / i64 as q, float as f."""
-    text = re.sub(r"//[^\n]*", "", _runtime.source(stem))
-    params = dict(_GLOBAL.findall(text))[kernel]
-    codes = []
-    for param in params.split(","):
-        decl = param.strip()
-        if "*" in decl or decl.startswith(("i64", "long long")):
-            codes.append("q")
-        elif decl.startswith("float"):
-            codes.append("f")
-        else:
-            raise AssertionError(f"{kernel}: parameter {decl!r} of an unexpected type")
-    return "".join(codes)
-
-
-def _expand(fmt: str) -> str:
-    return "".join(ch * int(n or 1) for n, ch in re.findall(r"(\d*)([qf])", fmt))
-
-
-@pytest.mark.parametrize(
-    "stem, kernel, fmt",
-    [
-        ("merge", "merge_state_kernel", "zerokv.merge._MERGE_STATE_ARGS"),
-        ("merge", "merge_states_kernel", "zerokv.merge._MERGE_STATES_ARGS"),
-        ("fixup", "fixup_zero_kv_rows_kernel", "zerokv.empty_rows._ARGS"),
-        ("mask", "mask_empty_context_kernel", "zerokv.empty_rows._ARGS"),
-    ],
-)
-def test_packed_arguments_match_the_kernel_signature(stem, kernel, fmt):
-    module, name = fmt.rsplit(".", 1)
-    packed = getattr(sys.modules[module], name)
-    assert packed.startswith("<")
-    codes = _expand(packed[1:])
-    assert codes == _c_layout(stem, kernel)
-    offset = 0  # "<" packs without padding: every 8-byte value must already sit at its C offset
-    for code in codes:
-        assert code == "f" or offset % 8 == 0, f"{kernel}: an 8-byte parameter at offset {offset}"
-        offset += 8 if code == "q" else 4
+    assert builds == {(e, d): 1 for _, e, d in keys}

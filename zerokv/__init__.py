@@ -7,8 +7,7 @@ compiled at run time by NVRTC through CuPy and receive torch (or any DLPack) ten
 
 import contextlib
 
-from .fixup import fixup_zero_kv_rows
-from .mask import mask_empty_context
+from .empty_rows import fixup_zero_kv_rows, mask_empty_context
 from .merge import merge_state, merge_states
 from .plan import ContextChunkPlan, plan_context_chunks
 

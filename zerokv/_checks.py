@@ -1,15 +1,23 @@
 """Host-side input validation shared by every op: nothing here touches device memory.
 
 Each check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong shape,
-layout, device, value) naming the argument and the offending value.
+layout, device, value, or memory shared where it must not be) naming the argument and the
+offending value. Overlap is decided from pointers, shapes and strides alone.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Collection, Mapping
 from typing import Any
+
+import numpy as np
 
 from . import _dtypes
 from ._tensors import Tensor, view
+
+_TooHard = getattr(np, "exceptions", np).TooHardError
+_OVERLAP_WORK = 4096  # candidate solutions numpy may try before calling an overlap "too hard"
 
 
 def tensor(x: Any, arg: str, ndim: int, dtypes: tuple[str, ...]) -> Tensor:
@@ -63,13 +71,13 @@ def index_tensor(x: Any, arg: str, length: int | None, device: int) -> Tensor:
     return t
 
 
-def lse_base(value: Any) -> str:
+def lse_base(value: Any, arg: str = "lse_base") -> str:
     """'e' (natural log) or '2' (base-2 LSE, as FlashInfer / trtllm-gen produce)."""
-    if value in ("e", "E"):
-        return "e"
-    if value in (2, "2", 2.0):
+    if isinstance(value, str) and value in ("e", "E", "2"):
+        return "2" if value == "2" else "e"
+    if not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating)) and value == 2:
         return "2"
-    raise ValueError(f"lse_base: expected 'e' or 2, got {value!r}")
+    raise ValueError(f"{arg}: expected 'e' or 2, got {value!r}")
 
 
 def same_memory_same_layout(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
@@ -82,19 +90,213 @@ def same_memory_same_layout(a: Tensor, a_name: str, b: Tensor, b_name: str) -> N
         )
 
 
-def out_scale(x: Any, out_dtype: str, device: int) -> Tensor | None:
+def out_scale(x: Any, out_dtype: str, device: int, arg: str = "out_scale") -> Tensor | None:
     """The fp8 output scale: one float32 element on the states' device, given exactly when the
     output is float8_e4m3fn."""
     if out_dtype in _dtypes.FP8 and x is None:
-        raise ValueError(f"out_scale: required for a {out_dtype} output")
+        raise ValueError(f"{arg}: required for a {out_dtype} output")
     if x is None:
         return None
     if out_dtype not in _dtypes.FP8:
-        raise ValueError(f"out_scale: only meaningful with a float8_e4m3fn output, got {out_dtype}")
-    t = view(x, "out_scale")
-    _dtypes.require("out_scale", t.dtype, _dtypes.LSE)
+        raise ValueError(f"{arg}: only meaningful with a float8_e4m3fn output, got a {out_dtype} output")
+    t = view(x, arg)
+    _dtypes.require(arg, t.dtype, _dtypes.LSE)
     if t.numel != 1:
-        raise ValueError(f"out_scale: expected one element, got shape {tuple(t.shape)}")
+        raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"out_scale is on {_where(t.device)} but the states are on {_where(device)}")
+        raise ValueError(f"{arg} is on {_where(t.device)} but the states are on {_where(device)}")
     return t
+
+
+# --- memory overlap ---------------------------------------------------------------------------
+
+# element sizes of every dtype a Tensor record can carry (the ops' table plus what a caller
+# may hand in by mistake); an unknown name counts as 8 bytes, the widest, so that no overlap
+# is missed.
+_ITEMSIZE = {name: size for name, (_, size) in _dtypes.ALL.items()} | {"float64": 8}
+
+
+def itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        try:
+            size = np.dtype(dtype.removeprefix("numpy.")).itemsize
+        except TypeError:
+            size = 8
+    return size
+
+
+def extent(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
+    """The byte range ``[lo, hi)`` that a tensor's elements cover (strides in elements, any
+    sign); ``(ptr, ptr)``, empty, for a zero-size tensor."""
+    lo = hi = 0
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return ptr, ptr
+        d = (n - 1) * s
+        if d < 0:
+            lo += d
+        else:
+            hi += d
+    return ptr + lo * itemsize, ptr + (hi + 1) * itemsize
+
+
+def overlap(a: Tensor, b: Tensor) -> str:
+    """How two tensors share memory: ``"none"``, ``"alias"`` (the same view: pointer, shape,
+    strides and dtype) or ``"partial"`` (any other sharing of a byte). Disjoint byte ranges
+    are decided by arithmetic; intersecting ranges (interleaved halves of one buffer, say)
+    exactly, by numpy's bounded solver on arrays placed at those addresses (no memory is
+    read); an overlap too hard to decide counts as ``"partial"``."""
+    if a.device != b.device or not a.numel or not b.numel:
+        return "none"
+    if a.ptr == b.ptr and a.strides == b.strides and a.shape == b.shape and a.dtype == b.dtype:
+        return "alias"
+    size_a, size_b = itemsize(a.dtype), itemsize(b.dtype)
+    lo_a, hi_a = extent(a.ptr, a.shape, a.strides, size_a)
+    lo_b, hi_b = extent(b.ptr, b.shape, b.strides, size_b)
+    if hi_a <= lo_b or hi_b <= lo_a:
+        return "none"
+    try:
+        shared = np.shares_memory(_placed(a, size_a), _placed(b, size_b), max_work=_OVERLAP_WORK)
+    except _TooHard:
+        shared = True
+    return "partial" if shared else "none"
+
+
+class _At:
+    """An object exposing the array interface of a tensor at its own address: numpy builds an
+    array over it without reading (or owning) a byte."""
+
+    __slots__ = ("__array_interface__",)
+
+    def __init__(self, t: Tensor, size: int) -> None:
+        self.__array_interface__ = {
+            "data": (t.ptr, False),
+            "shape": tuple(t.shape),
+            "strides": tuple(s * size for s in t.strides),
+            "typestr": f"|V{size}",
+            "version": 3,
+        }
+
+
+def _placed(t: Tensor, size: int) -> np.ndarray:
+    return np.asarray(_At(t, size))
+
+
+def check_outputs(
+    outs: Mapping[str, Tensor | None],
+    ins: Mapping[str, Tensor | None],
+    *,
+    may_alias: Collection[tuple[str, str]] = (),
+    names: Mapping[str, str] | None = None,
+) -> None:
+    """Refuse outputs that share memory with inputs or with each other.
+
+    Args:
+        outs: the tensors a call writes, by argument name (``None`` entries: not given).
+        ins: the tensors a call reads, by argument name (``None`` entries: not given).
+        may_alias: ``(out_name, in_name)`` pairs where the output may be *exactly* the input
+            (same pointer, shape, strides, dtype): in-place use, safe because each element is
+            read before it is written by the same thread.
+        names: argument name -> the name the caller knows it by, for the messages.
+
+    Raises ``ValueError`` naming both arguments for any partial overlap of an output with an
+    input, an exact alias not in ``may_alias``, and any sharing between two outputs. Pure
+    arithmetic on pointers, shapes and strides (each tensor's byte range once, then pairs of
+    ranges); only ranges that intersect go to the exact test. Nothing is read.
+    """
+    o_spans = _spans(outs)
+    i_spans = _spans(ins)
+    for n, (k_out, o, lo, hi) in enumerate(o_spans):
+        for k_in, t, lo_t, hi_t in i_spans:
+            if hi <= lo_t or hi_t <= lo or o.device != t.device:
+                continue
+            kind = overlap(o, t)
+            if kind == "none" or (kind == "alias" and (k_out, k_in) in may_alias):
+                continue
+            a, b = _name(names, k_out), _name(names, k_in)
+            if kind == "alias":
+                raise ValueError(f"{a} is the same memory as the input {b}; this call cannot write in place")
+            raise ValueError(
+                f"{a} overlaps the input {b} without being the same view of it "
+                f"({_layout(o)} vs {_layout(t)}); in-place use needs the identical tensor"
+            )
+        for k_other, other, lo_t, hi_t in o_spans[n + 1 :]:
+            if hi <= lo_t or hi_t <= lo or o.device != other.device:
+                continue
+            if overlap(o, other) != "none":
+                a, b = _name(names, k_out), _name(names, k_other)
+                raise ValueError(f"{a} and {b} share memory; two outputs must not overlap")
+
+
+def _spans(tensors: Mapping[str, Tensor | None]) -> list[tuple[str, Tensor, int, int]]:
+    """(name, tensor, lo, hi) of every given tensor that covers at least one byte (``extent``,
+    inlined: this runs on every validated call)."""
+    spans = []
+    for k, t in tensors.items():
+        if t is None or 0 in t.shape:
+            continue
+        lo = hi = 0
+        for n, s in zip(t.shape, t.strides):
+            if s >= 0:
+                hi += (n - 1) * s
+            else:
+                lo += (n - 1) * s
+        size = _ITEMSIZE.get(t.dtype) or itemsize(t.dtype)
+        spans.append((k, t, t.ptr + lo * size, t.ptr + (hi + 1) * size))
+    return spans
+
+
+def _name(names: Mapping[str, str] | None, k: str) -> str:
+    return k if names is None else names.get(k, k)
+
+
+def _layout(t: Tensor) -> str:
+    return f"pointer {t.ptr:#x}, shape {tuple(t.shape)}, strides {tuple(t.strides)}, {t.dtype}"
+
+
+# --- outputs that cannot be written -------------------------------------------------------------
+
+
+def writable(t: Tensor, arg: str) -> None:
+    """Refuse, before anything is written, an output the call could not (or must not) write:
+    a read-only numpy array or immutable JAX array, a torch tensor that requires grad (the
+    kernels write without recording a gradient), an inference tensor outside inference mode,
+    and a tensor whose elements share addresses (a stride-0 dimension, as ``expand`` makes)."""
+    x = t.obj
+    if t.is_torch:
+        if x.requires_grad:
+            raise ValueError(
+                f"{arg}: requires grad; zerokv writes its outputs without recording a gradient "
+                "(pass a tensor that does not require grad, e.g. under torch.no_grad())"
+            )
+        if x.is_inference() and not sys.modules["torch"].is_inference_mode_enabled():
+            raise ValueError(
+                f"{arg}: is an inference tensor, which cannot be written outside torch.inference_mode()"
+            )
+    elif isinstance(x, np.ndarray):
+        if not x.flags.writeable:
+            raise ValueError(f"{arg}: the numpy array is read-only")
+    elif type(x).__module__.split(".", 1)[0] in ("jax", "jaxlib"):
+        raise TypeError(f"{arg}: JAX arrays are immutable and cannot be an output")
+    _no_shared_elements(t, arg)
+
+
+def _no_shared_elements(t: Tensor, arg: str) -> None:
+    """Each element of an output at its own address: no stride 0 over a dimension longer than
+    one, and (conservatively) no dimension stepping inside the span of the finer ones."""
+    for d, (n, s) in enumerate(zip(t.shape, t.strides)):
+        if n > 1 and s == 0:
+            raise ValueError(
+                f"{arg}: dimension {d} has stride 0 over {n} elements (an expanded view); "
+                "an output needs an address per element"
+            )
+    dims = sorted((abs(s), n) for n, s in zip(t.shape, t.strides) if n > 1)
+    span = 0  # reach of the finer dimensions, in elements
+    for s, n in dims:
+        if s <= span:
+            raise ValueError(
+                f"{arg}: strides {tuple(t.strides)} for shape {tuple(t.shape)} make elements share "
+                "addresses; an output needs an address per element"
+            )
+        span += (n - 1) * s

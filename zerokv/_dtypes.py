@@ -19,6 +19,7 @@ MASK = {"bool": ("unsigned char", 1), "uint8": ("unsigned char", 1)}
 
 ALL = {**FLOATS, **FP8, **INDEX, **MASK}
 
+ITEMSIZE = {name: size for name, (_, size) in ALL.items()}
 V_IN = tuple(FLOATS)  # dtypes of partial attention outputs
 V_OUT = tuple(FLOATS) + tuple(FP8)  # dtypes a merge may write
 LSE = ("float32",)

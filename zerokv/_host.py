@@ -1,13 +1,90 @@
-"""Host-memory helpers: the CPU path (through the float64 reference) and output allocation."""
+"""Host memory: the CPU path of every op (through the float64 reference) and output allocation.
+
+Each CPU entry point validates the whole call first (``validate()`` raises before anything is
+written), allocates what was asked for, computes with :mod:`zerokv.reference` and writes back.
+"""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ._tensors import Tensor
+from . import reference
+from ._tensors import Tensor, view
+
+
+def merge_two(call: Any, validate: Callable[[], dict], prefix_rows: int | None) -> tuple[Any, Any]:
+    v = validate()
+    va, o, ol = v["va"], v["out"], v["out_lse"]
+    T, H, D = v["T"], v["H"], v["D"]
+    verbatim, allocate_lse = call.scalars[2], call.scalars[3]
+    out, out_lse = call.objs[4], call.objs[5]
+    if o is None:
+        out = new(va, (T, H, D), va.dtype)
+        o = view(out, "out")
+    if ol is None and allocate_lse:
+        out_lse = new(v["sa"], (T, H), "float32")
+        ol = view(out_lse, "out_lse")
+    a_empty_rows = None
+    if v["cu"] is not None:
+        a_empty_rows = reference.rows_with_empty_a(to_f64(v["cu"]), to_f64(v["lens"]), T)
+    res, lse = reference.merge_state(
+        to_f64(va), to_f64(v["sa"]), to_f64(v["vb"]), to_f64(v["sb"]),
+        lse_base=v["base"], prefix_rows=T if prefix_rows is None else prefix_rows,
+        a_empty_rows=a_empty_rows, suffix_verbatim=verbatim,
+        sinks=None if v["sinks"] is None else to_f64(v["sinks"]),
+    )  # fmt: skip
+    rows = None if v["mask"] is None else to_f64(v["mask"]).astype(bool)
+    write(o, scaled(res, v["scale"]), rows)
+    if ol is not None:
+        write(ol, lse, rows)
+    return out, out_lse
+
+
+def merge_states(call: Any, validate: Callable[[], dict]) -> tuple[Any, Any]:
+    v = validate()
+    vt, o, ol = v["v"], v["out"], v["out_lse"]
+    _, T, H, D = vt.shape
+    out, out_lse = call.objs[2], call.objs[3]
+    allocate = call.scalars[1]
+    if o is None:
+        out = new(vt, (T, H, D), vt.dtype)
+        o = view(out, "out")
+    if ol is None and allocate:
+        out_lse = new(v["s"], (T, H), "float32")
+        ol = view(out_lse, "out_lse")
+    sinks = None if v["sinks"] is None else to_f64(v["sinks"])
+    res, lse = reference.merge_states(to_f64(vt), to_f64(v["s"]), v["base"], sinks)
+    write(o, scaled(res, v["scale"]))
+    if ol is not None:
+        write(ol, lse)
+    return out, out_lse
+
+
+def empty_rows(v: dict, rule_offsets: bool) -> None:
+    """fixup (``rule_offsets=False``: ``lens`` are kv lengths) or mask (context offsets)."""
+    o, s, cu, lens = v["out"], v["lse"], to_f64(v["cu"]), to_f64(v["lens"])
+    T = o.shape[0]
+    if rule_offsets:
+        res, new_lse = reference.mask_empty_context(to_f64(o), to_f64(s), cu, lens)
+        empty = np.diff(lens) <= 0
+    else:
+        res, new_lse = reference.fixup_zero_kv_rows(to_f64(o), to_f64(s), lens, cu)
+        empty = lens == 0
+    rows = reference.rows_of_requests(cu, empty, T)
+    write(o, res, rows)
+    write(s, new_lse, rows)
+
+
+def scaled(res: np.ndarray, scale: Tensor | None) -> np.ndarray:
+    """fp8 output: ``clamp(merged / scale, -448, 448)``."""
+    if scale is None:
+        return res
+    s = float(to_f64(scale).reshape(-1)[0])
+    return np.clip(res / s, -448.0, 448.0)
 
 
 def to_f64(t: Tensor) -> np.ndarray:
@@ -44,7 +121,8 @@ def new(like: Tensor, shape: tuple[int, ...], dtype: str) -> Any:
     """An uninitialised tensor of the same producer family and device as ``like``."""
     if like.is_torch:
         torch = sys.modules["torch"]
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
+        device = "cpu" if like.device < 0 else like.device
+        return torch.empty(shape, dtype=getattr(torch, dtype), device=device)
     if like.device < 0:
         return np.empty(shape, dtype=_numpy_dtype(dtype))
     import cupy
@@ -54,12 +132,8 @@ def new(like: Tensor, shape: tuple[int, ...], dtype: str) -> Any:
 
 
 def _numpy_dtype(name: str) -> Any:
-    if name == "bfloat16":
+    if name in ("bfloat16", "float8_e4m3fn"):
         import ml_dtypes
 
-        return ml_dtypes.bfloat16
-    if name == "float8_e4m3fn":
-        import ml_dtypes
-
-        return ml_dtypes.float8_e4m3fn
+        return getattr(ml_dtypes, name)
     return np.dtype(name)

@@ -128,7 +128,58 @@ EMPTY_ROWS = Kernel(
     ),
 )
 
-KERNELS: tuple[Kernel, ...] = (MERGE_STATE, MERGE_STATES, EMPTY_ROWS)
+# Context-parallel combine (kernels_cu/cp_merge.cu): the LSE into the all-gather buffer (template:
+# 1 = with vLLM's empty-shard mask), the global LSE with this rank's rescaled V in the collective's
+# layout (input dtype, wire dtype, vector width), and the reduced sum to the output.
+CP_PACK_LSE = Kernel(
+    stem="cp_merge",
+    name="cp_pack_lse_kernel",
+    instances=((0,), (1,)),
+    block=256,
+    params=_params(
+        "ptr s, i64 s_st, i64 s_sh, ptr dst, i64 T, i64 H,"
+        " ptr seq_lens, i64 sl_is64, ptr qsl, i64 q_is64, i64 batch"
+    ),
+)
+
+CP_COMBINE = Kernel(
+    stem="cp_merge",
+    name="cp_combine_kernel",
+    instances=tuple((ci, _dtypes.ctype(w), v) for ci, i in _V for w in _dtypes.V_IN for v in (1, _vec(i))),
+    block=128,
+    params=_params(
+        "ptr v, i64 v_st, i64 v_sh, ptr lses, i64 l_sn, ptr wire, ptr olse, i64 ol_st, i64 ol_sh,"
+        " ptr sinks, i64 N, i64 rank, i64 T, i64 H, i64 D, i64 Hn, i64 lse_h0, i64 lse_hn,"
+        " i64 lanes, i64 tile_rows, i64 nan_empty, f32 k, f32 inv_k"
+    ),
+)
+
+
+def cp_finalize_vec(wire: str, out: str) -> int:
+    """Elements per step of the finalize kernel: 16 bytes of the narrower of the two dtypes."""
+    return 16 // min(_dtypes.itemsize(wire), _dtypes.itemsize(out))
+
+
+CP_FINALIZE = Kernel(
+    stem="cp_merge",
+    name="cp_finalize_kernel",
+    instances=tuple(
+        (cw, _dtypes.ctype(o), v) for cw, w in _V for o in _dtypes.V_OUT for v in (1, cp_finalize_vec(w, o))
+    ),
+    block=256,
+    params=_params(
+        "ptr src, ptr out, i64 o_st, i64 o_sh, i64 T, i64 Hn, i64 D, i64 lanes, i64 tile_rows, ptr out_scale"
+    ),
+)
+
+KERNELS: tuple[Kernel, ...] = (
+    MERGE_STATE,
+    MERGE_STATES,
+    EMPTY_ROWS,
+    CP_PACK_LSE,
+    CP_COMBINE,
+    CP_FINALIZE,
+)
 
 
 def instantiations(kernels: tuple[Kernel, ...] | None = None) -> dict[str, list[str]]:

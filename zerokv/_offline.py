@@ -1,16 +1,29 @@
 """Compile every kernel instantiation for a named arch without a GPU (NVRTC via cuda-bindings).
 
 CuPy asks the device for its arch even when one is given, so a machine without a GPU (CI)
-cannot compile through CuPy; cuda-bindings' NVRTC can. Same sources, same options.
+cannot compile through CuPy; cuda-bindings' NVRTC can. Same sources, same options (CuPy adds
+``-ftz=true``; so does this). A stem's instantiations compile as one program; when it fails,
+each instantiation is compiled alone to name the ones that fail. Results are cached in
+zerokv's cache directory, keyed on the source text, name expressions, options, arch and NVRTC
+version, so a second run compiles nothing.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
+from typing import Any
 
-from . import _runtime
+from . import _cache, _kernels, _runtime
+
+MIN_ARCH = 80
+# Archs CI compiles for: A100, A10/L4/RTX 30, L40/RTX 40, H100/H200, B200, RTX 50.
+CI_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")
+_ARCH = re.compile(r"^sm_(\d+)([af]?)$")
 
 
 @dataclass
@@ -19,63 +32,189 @@ class Compiled:
     expression: str
     lowered_name: str
     cubin_bytes: int
-    seconds: float  # for the whole stem (all its instantiations in one program)
+    seconds: float  # for the whole stem (all its instantiations in one program); 0 from the cache
+    cached: bool = False
 
 
-def _check(result: tuple, what: str, prog=None) -> tuple:
-    from cuda.bindings import nvrtc
+class ArchError(ValueError):
+    """An arch name that is malformed, older than sm_80, or unknown to this NVRTC."""
 
+
+class CompileError(RuntimeError):
+    """A stem that does not compile; ``failing`` names the instantiations, ``log`` is NVRTC's."""
+
+    def __init__(self, stem: str, arch: str, failing: list[tuple[str, str]], log: str) -> None:
+        self.stem, self.arch, self.failing, self.log = stem, arch, failing, log
+        super().__init__(f"NVRTC compile of {stem}.cu failed for {arch}:\n{self.summary()}\n{log}")
+
+    def summary(self) -> str:
+        """One line per failing instantiation, with the first error NVRTC reported for it."""
+        return "\n".join(f"{self.stem}.cu: {expr} fails for {self.arch}: {first}" for expr, first in self.failing)
+
+
+# --- NVRTC through cuda-bindings --------------------------------------------------------------
+
+
+def install_hint() -> str:
+    """The pip command that brings cuda-bindings of the CUDA major CuPy was installed for."""
+    have = {d: _installed(d) for d in ("cupy-cuda12x", "cupy-cuda13x")}
+    if have["cupy-cuda12x"] and not have["cupy-cuda13x"]:
+        return "pip install 'cuda-bindings>=12.9,<13' (what the cuda12 extra installs: pip install 'zerokv[cuda12]')"
+    return "pip install 'cuda-bindings>=13,<14' (what the cuda13 extra installs: pip install 'zerokv[cuda13]')"
+
+
+def _installed(dist: str) -> bool:
+    try:
+        metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def nvrtc() -> Any:
+    """cuda-bindings' NVRTC module; ImportError with the install command when it is missing."""
+    try:
+        from cuda.bindings import nvrtc as module
+    except ImportError as e:
+        raise ImportError(f"compiling without a GPU needs cuda-bindings: {install_hint()}") from e
+    return module
+
+
+def _check(result: tuple, what: str) -> tuple:
     err, *rest = result
-    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        log = _log(prog) if prog is not None else ""
-        raise RuntimeError(f"NVRTC {what} failed: {err}\n{log}")
+    if err != nvrtc().nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"NVRTC {what} failed: {err}")
     return tuple(rest)
 
 
-def _log(prog) -> str:
-    from cuda.bindings import nvrtc
+def nvrtc_version() -> tuple[int, int]:
+    major, minor = _check(nvrtc().nvrtcVersion(), "version")
+    return int(major), int(minor)
 
-    _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+
+def supported_archs() -> list[int]:
+    """Compute capabilities this NVRTC compiles for, from sm_80 on (e.g. [80, 86, ..., 120])."""
+    (archs,) = _check(nvrtc().nvrtcGetSupportedArchs(), "supported archs")
+    return sorted(int(a) for a in archs if int(a) >= MIN_ARCH)
+
+
+def check_arch(arch: str) -> str:
+    """``arch`` if it names a target zerokv supports (``sm_80`` .. ``sm_121``, ``sm_90a``...),
+    else ArchError listing the valid names. The name is checked before NVRTC is needed."""
+    m = _ARCH.match(arch)
+    try:
+        valid = supported_archs()
+    except ImportError:
+        valid = None
+    names = ", ".join(f"sm_{a}" for a in (valid or [int(a[3:]) for a in CI_ARCHS]))
+    if not m:
+        raise ArchError(f"{arch!r} is not an arch name; valid: {names}")
+    if int(m.group(1)) < MIN_ARCH:
+        raise ArchError(f"{arch}: zerokv needs sm_80 or newer (A100 and later); valid: {names}")
+    if valid is not None and int(m.group(1)) not in valid:
+        major, minor = nvrtc_version()
+        raise ArchError(f"{arch}: NVRTC {major}.{minor} cannot compile for it; valid: {names}")
+    return arch
+
+
+def options(arch: str) -> list[str]:
+    # -ftz=true: CuPy always adds it, so the offline build matches the run-time one.
+    return [f"-arch={arch}", "-ftz=true", *_runtime.NVRTC_OPTIONS]
+
+
+def _log(prog: Any) -> str:
+    nv = nvrtc()
+    _, size = nv.nvrtcGetProgramLogSize(prog)
     buf = b" " * size
-    nvrtc.nvrtcGetProgramLog(prog, buf)
-    return buf.decode(errors="replace").rstrip("\x00 ")
+    nv.nvrtcGetProgramLog(prog, buf)
+    return buf.decode(errors="replace").rstrip("\x00 \n")
 
 
-def compile_stem(stem: str, arch: str = "sm_90", directory: Path | None = None) -> list[Compiled]:
-    """Compile all registered instantiations of ``kernels_cu/<stem>.cu`` for ``arch``.
-
-    ``directory``: another folder of kernel sources to compile instead (default: the package's
-    ``kernels_cu``). A failed compile raises ``RuntimeError`` carrying the NVRTC log.
-    """
-    from cuda.bindings import nvrtc
-
-    exprs = _runtime.INSTANTIATIONS[stem]
-    start = time.perf_counter()
-    (prog,) = _check(
-        nvrtc.nvrtcCreateProgram(_runtime.source(stem, directory).encode(), f"{stem}.cu".encode(), 0, [], []),
-        "create",
-    )
+def _compile(code: str, filename: str, exprs: list[str], arch: str) -> tuple[bytes, list[str]] | str:
+    """(cubin, lowered names) or, when NVRTC fails, its log."""
+    nv = nvrtc()
+    (prog,) = _check(nv.nvrtcCreateProgram(code.encode(), filename.encode(), 0, [], []), "create")
     try:
         for e in exprs:
-            _check(nvrtc.nvrtcAddNameExpression(prog, e.encode()), f"add {e}")
-        # -ftz=true: CuPy always adds it, so the offline build matches the run-time one.
-        opts = [f"-arch={arch}".encode(), b"-ftz=true", *(o.encode() for o in _runtime.NVRTC_OPTIONS)]
-        _check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), f"compile of {stem}.cu", prog)
-        (size,) = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-        seconds = time.perf_counter() - start
-        out = []
-        for e in exprs:
-            (lowered,) = _check(nvrtc.nvrtcGetLoweredName(prog, e.encode()), f"lowered name of {e}")
-            out.append(Compiled(stem, e, lowered.decode(), size, seconds))
-        return out
+            _check(nv.nvrtcAddNameExpression(prog, e.encode()), f"add {e}")
+        opts = [o.encode() for o in options(arch)]
+        (res,) = nv.nvrtcCompileProgram(prog, len(opts), opts)
+        if res != nv.nvrtcResult.NVRTC_SUCCESS:
+            return _log(prog) or str(res)
+        (size,) = _check(nv.nvrtcGetCUBINSize(prog), "cubin size")
+        cubin = b" " * size
+        _check(nv.nvrtcGetCUBIN(prog, cubin), "cubin")
+        lowered = [_check(nv.nvrtcGetLoweredName(prog, e.encode()), f"lowered name of {e}")[0].decode() for e in exprs]
+        return cubin, lowered
     finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+        nv.nvrtcDestroyProgram(prog)
 
 
-def compile_all(arch: str = "sm_90") -> list[Compiled]:
-    from . import fixup, mask, merge  # noqa: F401  (they register their instantiations)
+def _first_error(log: str) -> str:
+    for line in log.splitlines():
+        if "error" in line:
+            return line.strip()[:200]
+    return (log.strip().splitlines() or ["(no log)"])[0][:200]
 
+
+# --- compile, with the cache ------------------------------------------------------------------
+
+
+def compile_stem(stem: str, arch: str = "sm_90", directory: Path | None = None, *, cache: bool = True) -> list[Compiled]:
+    """Compile all instantiations of ``kernels_cu/<stem>.cu`` for ``arch``.
+
+    ``directory``: another folder of kernel sources to compile instead (default: the package's
+    ``kernels_cu``). A failed compile raises :class:`CompileError` naming each failing
+    instantiation and carrying the NVRTC log.
+    """
+    exprs = _kernels.instantiations()[stem]
+    code = _runtime.source(stem, directory)
+    filename = f"{stem}.cu"
+    key = _cache.digest(code, "\0".join(exprs), " ".join(options(arch)), "nvrtc %d.%d" % nvrtc_version())
+    if cache:
+        hit = _load(key, stem, exprs)
+        if hit is not None:
+            return hit
+    start = time.perf_counter()
+    result = _compile(code, filename, exprs, arch)
+    if isinstance(result, str):
+        failing = []
+        for e in exprs:  # alone, each instantiation shows whether it is one that fails
+            alone = _compile(code, filename, [e], arch)
+            if isinstance(alone, str):
+                failing.append((e, _first_error(alone)))
+        if not failing:  # only together (should not happen): name the program
+            failing = [(f"{len(exprs)} instantiations together", _first_error(result))]
+        raise CompileError(stem, arch, failing, result)
+    cubin, lowered = result
+    seconds = time.perf_counter() - start
+    if cache:
+        meta = {"stem": stem, "arch": arch, "expressions": exprs, "lowered": lowered, "cubin_bytes": len(cubin)}
+        if _cache.store("offline", f"{key}.cubin", cubin):
+            _cache.store("offline", f"{key}.json", json.dumps(meta).encode())
+    return [Compiled(stem, e, low, len(cubin), seconds) for e, low in zip(exprs, lowered, strict=True)]
+
+
+def _load(key: str, stem: str, exprs: list[str]) -> list[Compiled] | None:
+    raw = _cache.load("offline", f"{key}.json")
+    if raw is None:
+        return None
+    try:
+        meta = json.loads(raw)
+        lowered, size = meta["lowered"], int(meta["cubin_bytes"])
+        ok = meta["expressions"] == exprs and len(lowered) == len(exprs)
+    except (ValueError, KeyError, TypeError):
+        return None
+    cubin = _cache.load("offline", f"{key}.cubin")
+    if not ok or cubin is None or len(cubin) != size:
+        return None
+    return [Compiled(stem, e, low, size, 0.0, cached=True) for e, low in zip(exprs, lowered, strict=True)]
+
+
+def compile_all(arch: str = "sm_90", *, cache: bool = True) -> list[Compiled]:
+    """Every instantiation of every kernel for ``arch``; raises on the first stem that fails."""
+    check_arch(arch)
     results = []
-    for stem in sorted(_runtime.INSTANTIATIONS):
-        results.extend(compile_stem(stem, arch))
+    for stem in sorted(_kernels.instantiations()):
+        results.extend(compile_stem(stem, arch, cache=cache))
     return results

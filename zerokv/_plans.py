@@ -38,7 +38,10 @@ def lookup(key: Any, build: Callable[[], Any]) -> Any:
 
 def launcher(kernel: Any, targs: tuple, device: int) -> _runtime.Launcher:
     """The launcher of one instantiation, shared by every plan that uses it."""
-    return lookup(("launcher", kernel.stem, kernel.name, targs, device), lambda: _runtime.Launcher(kernel, targs, device))
+    return lookup(
+        ("launcher", kernel.stem, kernel.name, targs, device),
+        lambda: _runtime.Launcher(kernel, targs, device),
+    )
 
 
 def count() -> int:

@@ -57,22 +57,27 @@ def torch_view(t: Any) -> Tensor:
     return _new(Tensor, (t, t.data_ptr(), t.shape, t.stride(), dtype, t.get_device(), True))
 
 
-def torch_key(*xs: Any) -> tuple | None:
-    """What a validated call depends on, for torch tensors (``None`` entries allowed): pointer,
-    shape, strides, dtype, device of each; ``None`` if any is not a plain torch tensor. Only
-    launches are remembered, so host calls never find an entry."""
-    if not _torch_tensor_type:
-        return None
-    tensor_type = _torch_tensor_type[0]
-    key = []
-    for x in xs:
-        if x is None:
-            key.append(None)
-        elif type(x) is tensor_type:
-            key.append((x.data_ptr(), x.shape, x.stride(), x.dtype, x.get_device()))
-        else:
-            return None
-    return tuple(key)
+class _NoTorch:
+    """Stands for torch.Tensor before torch is imported: no object has this type."""
+
+
+def torch_tensor_type() -> type:
+    """``torch.Tensor`` once torch is imported (a type no object has before)."""
+    if _torch_tensor_type:
+        return _torch_tensor_type[0]
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return _NoTorch
+    _torch_tensor_type.append(torch.Tensor)
+    return torch.Tensor
+
+
+def torch_dtype_names() -> dict[Any, str]:
+    """torch dtype -> canonical name (``{}`` before torch is imported)."""
+    if _TORCH_DTYPES:
+        return _TORCH_DTYPES
+    torch = sys.modules.get("torch")
+    return _torch_dtypes(torch) if torch is not None else {}
 
 
 # --- DLPack (legacy, unversioned capsule "dltensor") -------------------------------------------

@@ -1,93 +1,149 @@
-"""Shared launch of the empty-rows kernels (``fixup_zero_kv_rows``, ``mask_empty_context``)."""
+"""Writing the empty state (V = 0, LSE = -inf) into the rows of requests that are empty, in place.
+
+Two rules, one kernel (``kernels_cu/empty_rows.cu``, the rule a template parameter):
+:func:`fixup_zero_kv_rows` (``kv_lens[i] == 0``) and :func:`mask_empty_context` (the context span
+``[cu_kv[i], cu_kv[i + 1])`` is empty).
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import _checks, _dtypes, _host, _runtime, reference
-from ._tensors import Tensor, torch_key
+from . import _argchecks as _checks
+from . import _dtypes, _host, _kernels, _plans, _runtime
+from ._call import Call
 
-_THREADS = 256
-_ARGS = "<14q"  # struct layout of the kernels' parameter lists (kernels_cu/empty_rows.cuh)
-_BLOCKS_PER_SM = 4  # a persistent grid of full occupancy (the kernels are bounded to 64 registers)
-
-
-def register(stem: str, kernel: str) -> None:
-    _runtime.register(
-        stem,
-        [
-            f"{kernel}<{_dtypes.ctype(d)}, {vec}>"
-            for d in _dtypes.V_IN
-            for vec in (1, 16 // _dtypes.itemsize(d))
-        ],
-    )
+_BLOCKS_PER_SM = 4  # a persistent grid of full occupancy (the kernel is bounded to 64 registers)
 
 
-def run(
-    stem: str,
-    kernel: str,
-    out: Any,
-    lse: Any,
-    cu_seqlens_q: Any,
-    lens: Any,
-    names: tuple[str, str, str, str],
-    lens_are_offsets: bool,
+def fixup_zero_kv_rows(
+    out: Any, lse: Any, kv_lens: Any, cu_seqlens_q: Any, max_seqlen_q: int | None = None
 ) -> None:
-    """Validate and launch. ``lens``: per-request kv lengths ``[B]`` (empty when 0) or, with
-    ``lens_are_offsets``, context offsets ``[B + 1]`` (empty when two neighbours are equal)."""
-    key = torch_key(out, lse, cu_seqlens_q, lens)
-    if key is not None:
-        key = (stem, key)
-        prepared = _runtime.launches.get(key)
-        if prepared is not None:  # the same call as before: already validated and packed
-            prepared(_runtime.torch_stream(prepared.device))
-            return
+    """In place: every row of every request with ``kv_lens[i] == 0`` gets ``V = 0`` and
+    ``LSE = -inf``; every other row is left bitwise untouched.
 
+    Args:
+        out: ``[T, H, D]`` float16 / bfloat16 / float32, head_dim contiguous (mutated).
+        lse: ``[T, H]`` float32, any strides (mutated).
+        kv_lens: ``[B]`` int32 / int64, KV length of each request in this chunk.
+        cu_seqlens_q: ``[B + 1]`` int32 / int64, query row offsets (same dtype or not).
+        max_seqlen_q: accepted for signature compatibility and ignored: it never causes rows
+            to be skipped.
+
+    Offsets are trusted for meaning, never for memory: each request's rows are clipped to
+    ``[0, T)``, a span with ``end <= start`` covers no row. One launch of a persistent grid
+    whose work scales with the number of empty rows; no host sync; runs on the current stream
+    of the tensors' device.
+    """
+    if max_seqlen_q is not None and (isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int)):
+        raise TypeError(f"max_seqlen_q: expected an int or None, got {type(max_seqlen_q).__name__}")
+    _run(_kernels.RULE_KV_LENS_ZERO, out, lse, cu_seqlens_q, kv_lens, None)
+
+
+def mask_empty_context(out: Any, lse: Any, cu_seqlens_q: Any, cu_seqlens_kv: Any) -> None:
+    """In place: rows of requests whose context span is empty (``cu_seqlens_kv[i + 1] <=
+    cu_seqlens_kv[i]``) get ``V = 0`` and ``LSE = -inf``, V and LSE in one launch; other rows
+    are untouched.
+
+    Args:
+        out: ``[T, H, D]`` float16 / bfloat16 / float32, head_dim contiguous (mutated).
+        lse: ``[T, H]`` float32, any strides (an ``[H, T]`` buffer as ``lse.T``) (mutated).
+        cu_seqlens_q: ``[B + 1]`` int32 / int64 query row offsets (clipped to ``[0, T)``).
+        cu_seqlens_kv: ``[B + 1]`` int32 / int64 context offsets of this chunk.
+
+    No host sync; runs on the current stream of the tensors' device.
+    """
+    _run(_kernels.RULE_CONTEXT_SPAN_EMPTY, out, lse, cu_seqlens_q, cu_seqlens_kv, None)
+
+
+_NAMES = {
+    _kernels.RULE_KV_LENS_ZERO: ("out", "lse", "cu_seqlens_q", "kv_lens"),
+    _kernels.RULE_CONTEXT_SPAN_EMPTY: ("out", "lse", "cu_seqlens_q", "cu_seqlens_kv"),
+}
+
+
+def _run(rule: int, out: Any, lse: Any, cu: Any, lens: Any, names: tuple[str, ...] | None) -> None:
+    """``names``: how the caller calls (out, lse, cu, lens), for error messages."""
+    call = Call("empty_rows", (out, lse, cu, lens), (rule,))
+    names = names or _NAMES[rule]
+    if call.device < 0:
+        _host.empty_rows(_validate(call, rule, names), rule_offsets=rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
+        return
+    plan = _plans.lookup(call.key(_aligned(call)), lambda: _EmptyRowsPlan(call, rule, names))
+    plan(call, rule, names)
+
+
+def _validate(call: Call, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
     n_out, n_lse, n_cu, n_lens = names
-    o = _checks.tensor(out, n_out, 3, _dtypes.V_IN)
+    t = call.views(names)
+    o = _checks.tensor_view(t[n_out], n_out, 3, _dtypes.V_IN)
     T, H, D = o.shape
     _checks.unit_last_stride(o, n_out)
-    s = _checks.tensor(lse, n_lse, 2, _dtypes.LSE)
+    s = _checks.tensor_view(t[n_lse], n_lse, 2, _dtypes.LSE)
     _checks.shape(s, n_lse, (T, H), "T, H")
     device = _checks.same_device([(n_out, o), (n_lse, s)])
-    cu = _checks.index_tensor(cu_seqlens_q, n_cu, None, device)
-    if cu.shape[0] < 1:
+    c = _checks.index_view(t[n_cu], n_cu, None, device)
+    if c.shape[0] < 1:
         raise ValueError(f"{n_cu}: expected B + 1 >= 1 entries, got 0")
-    B = cu.shape[0] - 1
-    ln = _checks.index_tensor(lens, n_lens, B + 1 if lens_are_offsets else B, device)
+    B = c.shape[0] - 1
+    ln = _checks.index_view(
+        t[n_lens], n_lens, B + 1 if rule == _kernels.RULE_CONTEXT_SPAN_EMPTY else B, device
+    )
     if T >= 2**31:
         raise ValueError(f"{n_out}: T must be below 2^31, got shape {tuple(o.shape)}")
-
-    if device < 0:
-        cu64, ln64 = _host.to_f64(cu), _host.to_f64(ln)
-        if lens_are_offsets:
-            res, new_lse = reference.mask_empty_context(_host.to_f64(o), _host.to_f64(s), cu64, ln64)
-            empty = (ln64[1:] - ln64[:-1]) == 0
-        else:
-            res, new_lse = reference.fixup_zero_kv_rows(_host.to_f64(o), _host.to_f64(s), ln64, cu64)
-            empty = ln64 == 0
-        rows = reference.rows_of_requests(cu64, empty, T)
-        _host.write(o, res, rows)
-        _host.write(s, new_lse, rows)
-        return
-    if B == 0 or T * H == 0:
-        return
-
-    vec = _vector_width(o)
-    flat = int(o.strides[1] == D and o.strides[0] == H * D)
-    args = (
-        o.ptr, o.strides[0], o.strides[1], s.ptr, s.strides[0], s.strides[1],
-        cu.ptr, int(cu.dtype == "int64"), ln.ptr, int(ln.dtype == "int64"),
-        B, H, D, flat,
-    )  # fmt: skip
-    expr = f"{kernel}<{_dtypes.ctype(o.dtype)}, {vec}>"
-    grid = (_BLOCKS_PER_SM * _runtime.sm_count(device), 1, 1)
-    _runtime.launch(stem, expr, device, _runtime.stream_for(o), grid, (_THREADS, 1, 1), _ARGS, args, key)
+    _checks.outputs([(n_out, o, ()), (n_lse, s, ())], [(n_cu, c), (n_lens, ln)])
+    return {"out": o, "lse": s, "cu": c, "lens": ln, "device": device}
 
 
-def _vector_width(o: Tensor) -> int:
-    vec = 16 // _dtypes.itemsize(o.dtype)
-    D = o.shape[2]
-    if D % vec or o.ptr % 16 or o.strides[0] % vec or o.strides[1] % vec:
-        return 1
-    return vec
+def _aligned(call: Call) -> bool:
+    o = call.facts[0]
+    if len(o[1]) != 3 or call.dtypes[0] not in _dtypes.ITEMSIZE:
+        return False
+    vec = 16 // _dtypes.ITEMSIZE[call.dtypes[0]]
+    return not (o[1][2] % vec or o[0] % 16 or o[2][0] % vec or o[2][1] % vec)
+
+
+class _EmptyRowsPlan:
+    def __init__(self, call: Call, rule: int, names: tuple[str, ...]) -> None:
+        v = _validate(call, rule, names)
+        o = v["out"]
+        self.vec = 16 // _dtypes.itemsize(o.dtype) if call.aligned else 1
+        targs = (_dtypes.ctype(o.dtype), self.vec, rule)
+        self.launch = _plans.launcher(_kernels.EMPTY_ROWS, targs, v["device"])
+        self.grid = _BLOCKS_PER_SM * _runtime.sm_count(v["device"])
+        self.q_is64 = int(call.dtypes[2] == "int64")
+        self.lens_is64 = int(call.dtypes[3] == "int64")
+        self.lens_extra = int(rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
+        self.itemsizes = [_dtypes.ITEMSIZE.get(d) for d in call.dtypes]
+
+    def __call__(self, call: Call, rule: int, names: tuple[str, ...]) -> None:
+        o, s, cu, lens = call.facts
+        shape = o[1]
+        ok = (
+            len(shape) == 3
+            and s[1] == shape[:2]
+            and (shape[2] <= 1 or o[2][2] == 1)
+            and len(cu[1]) == 1
+            and cu[1][0] >= 1
+            and (cu[1][0] <= 1 or cu[2][0] == 1)
+            and lens[1] == (cu[1][0] - 1 + self.lens_extra,)
+            and (lens[1][0] <= 1 or lens[2][0] == 1)
+            and shape[0] < 2**31
+            and call.disjoint_outputs(self.itemsizes, _OUTS)
+        )
+        if not ok:
+            _validate(call, rule, names)
+        T, H, D = shape
+        B = cu[1][0] - 1
+        if B == 0 or T * H == 0 or D == 0:
+            return
+        flat = int(o[2][1] == D and o[2][0] == H * D)
+        os_, ss = o[2], s[2]
+        self.launch(
+            self.grid, call.stream(),
+            o[0], os_[0], os_[1], s[0], ss[0], ss[1], cu[0], self.q_is64, lens[0], self.lens_is64,
+            B, T, H, D, flat,
+        )  # fmt: skip
+
+
+_OUTS = ((0, ()), (1, ()))

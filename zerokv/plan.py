@@ -49,6 +49,12 @@ class ContextChunkPlan:
     all_rows_active: Any
 
 
+_INT32_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+# C * (B + 1): ~0.4 GB of int32 arrays (~2 GB while they are built); a real batch needs a few million
+MAX_PLAN_ENTRIES = 1 << 25
+
+
 def plan_context_chunks(
     query_lens: Any, context_lens: Any, chunk_tokens: int, *, align: int = 1
 ) -> ContextChunkPlan:
@@ -67,19 +73,23 @@ def plan_context_chunks(
         chunk_tokens: the workspace budget: context tokens per chunk over the whole batch.
         align: chunk width multiple (e.g. the KV page size).
 
-    Raises ``ValueError`` for lengths not on the CPU, not 1-D, empty, negative or of different
-    batch sizes, and for a budget too small for one token (aligned) per request.
+    Raises ``TypeError`` for lengths that are not integers and ``ValueError`` for lengths not
+    on the CPU, not 1-D, empty, negative or of different batch sizes, for offsets that would
+    not fit int32 (the sum of ``query_lens``, a context length, a chunk's total), for a budget
+    too small for one token (aligned) per request, and for a plan of more than
+    ``MAX_PLAN_ENTRIES`` (2^25) chunk-request entries. Every value is checked before anything
+    is cast or allocated.
     """
     as_torch = _is_torch(query_lens) or _is_torch(context_lens)
     q = _lengths(query_lens, "query_lens")
     ctx = _lengths(context_lens, "context_lens")
     if q.shape != ctx.shape:
         raise ValueError(f"query_lens and context_lens: batch sizes differ ({q.shape[0]} vs {ctx.shape[0]})")
-    for name, v in (("chunk_tokens", chunk_tokens), ("align", align)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
-        if v <= 0:
-            raise ValueError(f"{name}: expected > 0, got {v}")
+    chunk_tokens = _positive(chunk_tokens, "chunk_tokens")
+    align = _positive(align, "align")
+    total_q = int(q.sum())  # each <= 2^31 - 1, so no int64 wrap below 2^32 requests
+    if total_q > _INT32_MAX:
+        raise ValueError(f"query_lens: the total {total_q} exceeds int32 query offsets (max {_INT32_MAX})")
     with_context = int((ctx > 0).sum())
     width = (chunk_tokens // max(with_context, 1)) // align * align
     if width == 0:
@@ -87,7 +97,21 @@ def plan_context_chunks(
             f"chunk_tokens: {chunk_tokens} is too small for {with_context} requests with context "
             f"at align={align} (need at least {with_context * align})"
         )
-    num_chunks = int(-(-int(ctx.max()) // width))
+    longest = int(ctx.max())
+    num_chunks = -(-longest // width)
+    first_total = int(np.minimum(ctx, width).sum())  # chunk 0 holds the most context tokens
+    if first_total > _INT32_MAX:
+        raise ValueError(
+            f"chunk_tokens: a chunk of {first_total} context tokens exceeds int32 context offsets "
+            f"(max {_INT32_MAX}); use a smaller budget"
+        )
+    entries = num_chunks * (q.shape[0] + 1)
+    if entries > MAX_PLAN_ENTRIES:
+        raise ValueError(
+            f"chunk_tokens: {chunk_tokens} gives {num_chunks} chunks of width {width} for a context of "
+            f"{longest} tokens: {entries} plan entries (chunks x (B + 1)) exceed {MAX_PLAN_ENTRIES}; "
+            "use a larger budget"
+        )
 
     first = np.arange(num_chunks, dtype=np.int64)[:, None] * width  # [C, 1]
     starts = np.minimum(first, ctx[None, :])
@@ -97,14 +121,11 @@ def plan_context_chunks(
     num_empty = ((lens == 0) * q[None, :]).sum(axis=1)
     cu_q = np.zeros(q.shape[0] + 1, dtype=np.int64)
     np.cumsum(q, out=cu_q[1:])
-    for name, arr in (("query offsets", cu_q), ("context offsets", cu_kv)):
-        if arr.size and arr.max() > np.iinfo(np.int32).max:
-            raise ValueError(f"{name} exceed int32 (max {arr.max()})")
 
     convert = _to_torch if as_torch else (lambda a: a)
     return ContextChunkPlan(
         num_chunks=num_chunks,
-        chunk_width=int(width),
+        chunk_width=width,
         cu_seqlens_q=convert(cu_q.astype(np.int32)),
         starts=convert(starts.astype(np.int32)),
         lens=convert(lens.astype(np.int32)),
@@ -121,23 +142,44 @@ def _is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def _positive(v: Any, arg: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"{arg}: expected an int, got {type(v).__name__}")
+    if v <= 0:
+        raise ValueError(f"{arg}: expected > 0, got {v}")
+    if v > _INT64_MAX:
+        raise ValueError(f"{arg}: expected at most 2^63 - 1, got {v}")
+    return int(v)
+
+
 def _lengths(x: Any, arg: str) -> np.ndarray:
+    """``[B]`` lengths as int64, every value checked before the cast: integers, 0..2^31 - 1."""
     if _is_torch(x):
         if x.device.type != "cpu":
             raise ValueError(f"{arg}: must be on the CPU (planning never syncs a device), got {x.device}")
-        a = x.numpy()
-    elif hasattr(x, "__dlpack_device__") and x.__dlpack_device__()[0] != 1:
+        if x.is_floating_point() or x.is_complex() or x.dtype is sys.modules["torch"].bool:
+            raise TypeError(f"{arg}: expected integers, got dtype {x.dtype}")
+        a = x.detach().numpy()
+    elif hasattr(x, "__dlpack_device__") and not isinstance(x, np.ndarray) and x.__dlpack_device__()[0] != 1:
         raise ValueError(f"{arg}: must be on the CPU (planning never syncs a device)")
+    elif x is None or isinstance(x, (str, bytes, int, float)):
+        raise TypeError(f"{arg}: expected a 1-D sequence of integer lengths, got {type(x).__name__}")
     else:
-        a = np.asarray(x)
+        try:
+            a = np.asarray(x)
+        except (OverflowError, ValueError) as e:  # ragged nesting, or ints numpy cannot hold
+            raise ValueError(f"{arg}: not a 1-D sequence of integer lengths ({e})") from None
     if a.ndim != 1:
         raise ValueError(f"{arg}: expected a 1-D sequence of lengths, got shape {a.shape}")
     if a.shape[0] == 0:
         raise ValueError(f"{arg}: empty batch")
     if a.dtype.kind not in "iu":
         raise TypeError(f"{arg}: expected integers, got dtype {a.dtype}")
-    if (a < 0).any():
+    if a.dtype.kind == "i" and (a < 0).any():
         raise ValueError(f"{arg}: negative length {int(a.min())} at index {int(np.argmin(a))}")
+    if (a > _INT32_MAX).any():  # compared in the array's own dtype: no wrap of uint64 >= 2^63
+        i = int(np.argmax(a))
+        raise ValueError(f"{arg}: length {int(a[i])} at index {i} exceeds int32 offsets (max {_INT32_MAX})")
     return a.astype(np.int64)
 
 

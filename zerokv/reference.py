@@ -6,6 +6,10 @@ nothing is modified in place. Conventions are the library's: ``V [T, H, D]``, ``
 Empty rule: an LSE of -inf or +inf gives weight 0 and that V is never used (it may hold NaN);
 if every input of a row is empty the row is (0, -inf). NaN in any LSE of a row makes that row's
 V and LSE NaN.
+
+Offsets are trusted for meaning, never for memory: request i's rows ``[cu[i], cu[i + 1])`` are
+clipped to ``[0, T)``, a span with ``end <= start`` covers no row, and a row that no request
+covers is left alone (and is not empty for ``a_empty``).
 """
 
 from __future__ import annotations
@@ -17,8 +21,12 @@ def _base(lse_base: str | int) -> float:
     return np.e if str(lse_base) == "e" else 2.0
 
 
-def merge_states(v: np.ndarray, s: np.ndarray, lse_base: str | int = "e") -> tuple[np.ndarray, np.ndarray]:
-    """N-way merge. ``v [N, T, H, D]``, ``s [N, T, H]`` -> ``(out [T, H, D], lse [T, H])``."""
+def merge_states(
+    v: np.ndarray, s: np.ndarray, lse_base: str | int = "e", sinks: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """N-way merge. ``v [N, T, H, D]``, ``s [N, T, H]`` -> ``(out [T, H, D], lse [T, H])``.
+
+    ``sinks [H]``: attention-sink logits (in the LSE's base) counted once in the normaliser."""
     v = np.asarray(v, dtype=np.float64)
     s = np.asarray(s, dtype=np.float64)
     base = _base(lse_base)
@@ -37,7 +45,26 @@ def merge_states(v: np.ndarray, s: np.ndarray, lse_base: str | int = "e") -> tup
     out = np.where(live[..., None], out, 0.0)
     out = np.where(nan[..., None], np.nan, out)
     lse = np.where(nan, np.nan, lse)
+    if sinks is not None:
+        out, lse = apply_sinks(out, lse, sinks, lse_base)
     return out, lse
+
+
+def apply_sinks(out, lse, sinks, lse_base: str | int = "e") -> tuple[np.ndarray, np.ndarray]:
+    """``S' = logaddexp(S, sink_h)``, ``out *= base^(S - S')``; a row with no keys gets
+    ``(0, sink_h)``; a sink of -inf changes nothing; NaN propagates."""
+    base = _base(lse_base)
+    sink = np.broadcast_to(np.asarray(sinks, dtype=np.float64), lse.shape)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        m = np.maximum(lse, sink)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        total = m_safe + np.log(np.power(base, lse - m_safe) + np.power(base, sink - m_safe)) / np.log(base)
+        total = np.where(lse == -np.inf, sink, total)
+        total = np.where(sink == -np.inf, lse, total)
+        factor = np.where(lse == -np.inf, 0.0, np.power(base, lse - total))
+        factor = np.where(sink == -np.inf, 1.0, factor)
+    out = np.where(factor[..., None] == 0.0, 0.0, out * factor[..., None])
+    return out, total
 
 
 def merge_state(
@@ -49,10 +76,11 @@ def merge_state(
     prefix_rows: int | None = None,
     a_empty_rows: np.ndarray | None = None,
     suffix_verbatim: bool = False,
+    sinks: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Two-way merge. Rows ``t >= prefix_rows`` take state b alone (with the empty rule, or
     verbatim when ``suffix_verbatim``); rows where ``a_empty_rows[t]`` treat state a as empty
-    without reading it."""
+    (its V never used). ``sinks``: as :func:`merge_states` (not on verbatim rows)."""
     s_a = np.asarray(s_a, dtype=np.float64)
     s_b = np.asarray(s_b, dtype=np.float64)
     T = s_b.shape[0]
@@ -60,7 +88,7 @@ def merge_state(
     if a_empty_rows is not None:
         use_a &= ~np.asarray(a_empty_rows, dtype=bool)
     s_a_used = np.where(use_a[:, None], s_a, -np.inf)
-    out, lse = merge_states(np.stack([v_a, v_b]), np.stack([s_a_used, s_b]), lse_base)
+    out, lse = merge_states(np.stack([v_a, v_b]), np.stack([s_a_used, s_b]), lse_base, sinks)
     if suffix_verbatim and prefix_rows is not None:
         out[prefix_rows:] = np.asarray(v_b, dtype=np.float64)[prefix_rows:]
         lse[prefix_rows:] = s_b[prefix_rows:]
@@ -68,12 +96,39 @@ def merge_state(
 
 
 def rows_of_requests(cu_seqlens_q: np.ndarray, request_mask: np.ndarray, T: int) -> np.ndarray:
-    """Boolean ``[T]``: rows that belong to requests with ``request_mask[i]``."""
-    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+    """Boolean ``[T]``: rows that belong to requests with ``request_mask[i]``, each request's
+    span clipped to ``[0, T)`` (a span with ``end <= start`` covers no row)."""
+    cu = np.clip(np.asarray(cu_seqlens_q, dtype=np.int64), 0, T)
     rows = np.zeros(T, dtype=bool)
     for i in np.flatnonzero(np.asarray(request_mask, dtype=bool)):
-        rows[cu[i] : cu[i + 1]] = True
+        if cu[i + 1] > cu[i]:
+            rows[cu[i] : cu[i + 1]] = True
     return rows
+
+
+def rows_with_empty_a(cu_seqlens_q: np.ndarray, kv_lens: np.ndarray, T: int) -> np.ndarray:
+    """Boolean ``[T]`` for ``merge_state(a_empty=...)``: row t's request is the one a binary
+    search over ``cu_seqlens_q`` finds (for non-decreasing offsets, the r with
+    ``cu[r] <= t < cu[r + 1]``); the row is a-empty when that request's clipped span holds t
+    and its ``kv_lens`` is 0. B = 0: no row. The kernel performs the same search."""
+    cu = np.asarray(cu_seqlens_q, dtype=np.int64)
+    lens = np.asarray(kv_lens, dtype=np.int64)
+    B = len(cu) - 1
+    rows = np.zeros(T, dtype=bool)
+    if B <= 0:
+        return rows
+    t = np.arange(T, dtype=np.int64)
+    lo, hi = np.zeros(T, dtype=np.int64), np.full(T, B, dtype=np.int64)
+    while True:  # the kernel's search, vectorised over rows
+        active = hi - lo > 1
+        if not active.any():
+            break
+        mid = (lo + hi) >> 1
+        go_right = active & (cu[np.minimum(mid, B)] <= t)
+        lo = np.where(go_right, mid, lo)
+        hi = np.where(active & ~go_right, mid, hi)
+    start, end = np.clip(cu[lo], 0, T), np.clip(cu[lo + 1], 0, T)
+    return (start <= t) & (t < end) & (lens[lo] == 0)
 
 
 def write_empty_rows(out: np.ndarray, lse: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +147,25 @@ def fixup_zero_kv_rows(out, lse, kv_lens, cu_seqlens_q) -> tuple[np.ndarray, np.
 
 
 def mask_empty_context(out, lse, cu_seqlens_q, cu_seqlens_kv) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of requests whose context span ``[cu_kv[i], cu_kv[i+1])`` is empty become (0, -inf)."""
-    empty = np.diff(np.asarray(cu_seqlens_kv, dtype=np.int64)) == 0
+    """Rows of requests whose context span ``[cu_kv[i], cu_kv[i+1])`` is empty
+    (``cu_kv[i+1] <= cu_kv[i]``) become (0, -inf)."""
+    empty = np.diff(np.asarray(cu_seqlens_kv, dtype=np.int64)) <= 0
     rows = rows_of_requests(cu_seqlens_q, empty, np.shape(lse)[0])
     return write_empty_rows(out, lse, rows)
+
+
+def max_error(actual, expected) -> float:
+    """Largest absolute difference over the finite expected values; ``inf`` when NaN or
+    infinities sit at other places than expected (the one error measure of the self-check,
+    the benchmarks and the tests)."""
+    a = np.asarray(actual, dtype=np.float64)
+    e = np.asarray(expected, dtype=np.float64)
+    if a.shape != e.shape:
+        return float("inf")
+    if (np.isnan(a) != np.isnan(e)).any():
+        return float("inf")
+    inf = np.isinf(e)
+    if (np.isinf(a) != inf).any() or (a[inf] != e[inf]).any():
+        return float("inf")
+    fin = np.isfinite(e)
+    return float(np.abs(a[fin] - e[fin]).max()) if fin.any() else 0.0

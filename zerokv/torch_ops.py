@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .fixup import fixup_zero_kv_rows
-from .mask import mask_empty_context
+from .empty_rows import fixup_zero_kv_rows, mask_empty_context
 from .merge import merge_state, merge_states
 
 _lib = torch.library.Library("zerokv", "DEF")

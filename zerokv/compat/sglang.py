@@ -6,7 +6,7 @@ import sys
 from typing import Any
 
 from .._tensors import is_torch
-from ..fixup import fixup_zero_kv_rows as _fixup
+from ..empty_rows import fixup_zero_kv_rows as _fixup
 from ..merge import merge_two
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import _checks
-from ..mask import mask_empty_context as _mask
+from ..empty_rows import mask_empty_context as _mask
 from ..merge import merge_two
 
 _NAMES = ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output", "output_lse")

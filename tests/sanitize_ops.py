@@ -1,0 +1,193 @@
+"""Every op, every adapter and every torch.ops entry on the GPU, with valid inputs and with lying
+offsets, in small shapes: run under ``compute-sanitizer --tool memcheck`` by test_sanitizer.py.
+
+Layouts cover the vector path (head_dim 64, aligned), the scalar path (head_dim 7), unaligned
+views (``t[1:]``) and padded strides. Run with ``PYTORCH_NO_CUDA_MEMORY_CACHING=1`` so that every
+tensor is its own allocation and an access past it is seen. Exits 3 if a call raised.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import torch
+from batches import LYING_CASES, make_batch
+from states import NAN, make_states
+
+import zerokv
+from zerokv.compat import flashinfer, sglang, vllm
+
+DEV = "cuda"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+calls = 0
+raised: list[str] = []
+
+
+def run(name: str, fn) -> None:
+    """One call; an exception is recorded (and the run goes on, so memcheck sees the rest)."""
+    global calls
+    calls += 1
+    try:
+        fn()
+    except Exception as e:
+        raised.append(f"{name}: {type(e).__name__}: {e}")
+        traceback.print_exc()
+
+
+def lay(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x [T, H, D]`` in a layout: its own allocation, an unaligned view, or padded strides."""
+    if kind == "unaligned":
+        return torch.empty(x.numel() + 1, dtype=x.dtype, device=x.device)[1:].view(x.shape).copy_(x)
+    if kind == "padded":
+        T, H, D = x.shape
+        return torch.empty(T, H + 1, D + 8, dtype=x.dtype, device=x.device)[:, :H, :D].copy_(x)
+    return x.clone()
+
+
+def ht(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, H]`` living in an ``[H, T]`` buffer, seen as ``[T, H]``."""
+    return x.T.contiguous().T
+
+
+def poison(shape, dtype=torch.float32, kind="contiguous") -> torch.Tensor:
+    """A NaN-filled output (a V shape in the given layout)."""
+    x = torch.full(shape, NAN, dtype=dtype, device=DEV)
+    return lay(x, kind) if len(shape) == 3 else x
+
+
+def context_offsets(kv: torch.Tensor) -> torch.Tensor:
+    return torch.cat([torch.zeros(1, dtype=kv.dtype), kv.cumsum(0).to(kv.dtype)])
+
+
+def valid_inputs() -> None:
+    for dtype in DTYPES:
+        other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+        for D in (7, 64):
+            for kind in ("contiguous", "unaligned", "padded"):
+                tag = f"{dtype}-D{D}-{kind}"
+                cu, kv = make_batch(9, 12, "random", seed=D)
+                T, H = int(cu[-1]), 4
+                cu, kv, cu_kv = cu.to(DEV), kv.to(DEV), context_offsets(kv).to(DEV)
+                v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, DEV, seed=D + T)
+                va, vb = lay(v_a, kind), lay(v_b, kind)
+                sa = ht(s_a)
+                out, lse = poison((T, H, D), dtype, kind), ht(poison((T, H)))
+                run(f"merge_state alloc {tag}", lambda: zerokv.merge_state(va, sa, vb, s_b))
+                run(
+                    f"merge_state out {tag}",
+                    lambda: zerokv.merge_state(va, sa, vb, s_b, out=out, out_lse=lse),
+                )
+                run(f"merge_state no lse {tag}", lambda: zerokv.merge_state(va, sa, vb, s_b, out=out))
+                run(
+                    f"merge_state prefix_rows {tag}",
+                    lambda: zerokv.merge_state(va, sa, vb, s_b, out=out, out_lse=lse, prefix_rows=T // 3),
+                )
+                run(
+                    f"merge_state a_empty {tag}",
+                    lambda: zerokv.merge_state(va, sa, vb, s_b, out=out, out_lse=lse, a_empty=(cu, kv)),
+                )
+                run(f"merge_state base 2 {tag}", lambda: zerokv.merge_state(va, sa, vb, s_b, lse_base=2))
+                run(
+                    f"merge_state out dtype {tag}",
+                    lambda: zerokv.merge_state(va, sa, vb, s_b, out=poison((T, H, D), other, kind)),
+                )
+                ia, isa = va.clone(), sa.clone()
+                run(
+                    f"merge_state in place {tag}",
+                    lambda: zerokv.merge_state(ia, isa, vb, s_b, out=ia, out_lse=isa),
+                )
+                v, s = torch.stack([v_a, v_b, v_a]), torch.stack([s_a, s_b, s_b])
+                run(f"merge_states NTHD {tag}", lambda: zerokv.merge_states(v, s, out=out, out_lse=lse))
+                vt = v.transpose(0, 1).contiguous().transpose(0, 1)
+                st = s.transpose(0, 1).contiguous().transpose(0, 1)
+                run(f"merge_states TNHD {tag}", lambda: zerokv.merge_states(vt, st))
+                run(f"fixup {tag}", lambda: zerokv.fixup_zero_kv_rows(out, lse, kv, cu))
+                run(f"mask {tag}", lambda: zerokv.mask_empty_context(out, lse, cu, cu_kv))
+                compat(tag, va, sa, vb, s_b, out, lse, cu, kv, cu_kv)
+        fp8(dtype)
+
+
+def fp8(dtype) -> None:
+    for D in (7, 64):
+        v_a, s_a, v_b, s_b = make_states(50, 4, D, dtype, DEV, seed=D, edges=False)
+        scale = torch.tensor([0.05], device=DEV)
+        out = torch.empty(50, 4, D, dtype=torch.float8_e4m3fn, device=DEV)
+        run(
+            f"merge_state fp8 {dtype}-D{D}",
+            lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_scale=scale),
+        )
+        run(
+            f"vllm fp8 {dtype}-D{D}",
+            lambda: vllm.merge_attn_states(out, v_a, s_a.T, v_b, s_b.T, None, 20, scale),
+        )
+
+
+def compat(tag, va, sa, vb, sb, out, lse, cu, kv, cu_kv) -> None:
+    T = va.shape[0]
+    lse_ht = lse.T  # an [H, T] view of the same buffer
+    run(f"vllm merge {tag}", lambda: vllm.merge_attn_states(out, va, sa.T, vb, sb.T, lse_ht))
+    run(f"vllm merge cutoff {tag}", lambda: vllm.merge_attn_states(out, va, sa.T, vb, sb.T, lse_ht, T // 2))
+    run(f"vllm mask {tag}", lambda: vllm.mask_empty_context(lse_ht, out, cu, cu_kv))
+    if out.is_contiguous():
+        flat = out.view(T, -1)
+        run(f"vllm mask flat {tag}", lambda: vllm.mask_empty_context(lse_ht, flat, cu, cu_kv))
+    run(f"sglang merge {tag}", lambda: sglang.merge_state_v2(va, sa, vb, sb))
+    run(f"sglang merge out {tag}", lambda: sglang.merge_state_v2(va, sa, vb, sb, out, lse))
+    run(f"sglang fixup {tag}", lambda: sglang.fixup_zero_kv_rows(out, lse, kv, cu, 1))
+    run(f"flashinfer merge {tag}", lambda: flashinfer.merge_state(va, sa, vb, sb))
+    mask = torch.arange(T, device=DEV) % 3 == 0
+    iv, isa = va.clone(), sa.clone()
+    run(f"flashinfer in place {tag}", lambda: flashinfer.merge_state_in_place(iv, isa, vb, sb, mask=mask))
+    v, s = torch.stack([va, vb], dim=1), torch.stack([sa, sb], dim=1)
+    run(f"flashinfer merge_states {tag}", lambda: flashinfer.merge_states(v, s))
+    ops = torch.ops.zerokv
+    run(f"ops.merge_state {tag}", lambda: ops.merge_state(va, sa, vb, sb, "e", None, cu, kv))
+    run(f"ops.merge_state_out {tag}", lambda: ops.merge_state_out(va, sa, vb, sb, out, lse))
+    run(f"ops.merge_states {tag}", lambda: ops.merge_states(torch.stack([va, vb]), torch.stack([sa, sb])))
+    run(f"ops.fixup {tag}", lambda: ops.fixup_zero_kv_rows(out, lse, kv, cu))
+    run(f"ops.mask {tag}", lambda: ops.mask_empty_context(out, lse, cu, cu_kv))
+
+
+def lying_offsets() -> None:
+    for case in LYING_CASES:
+        for index_dtype in case.index_dtypes:
+            cu, kv, cu_kv = case.tensors(index_dtype, DEV)
+            for D in (7, 64):
+                tag = f"{case.id}-{index_dtype}-D{D}"
+                T, H = case.T, case.H
+                v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, DEV, seed=T + D)
+                out, lse = poison((T, H, D), torch.bfloat16), ht(poison((T, H)))
+                run(f"fixup {tag}", lambda: zerokv.fixup_zero_kv_rows(out, lse, kv, cu))
+                run(f"mask {tag}", lambda: zerokv.mask_empty_context(out, lse, cu, cu_kv))
+                run(
+                    f"merge_state a_empty {tag}",
+                    lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse, a_empty=(cu, kv)),
+                )
+                run(
+                    f"merge_state a_empty prefix_rows {tag}",
+                    lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, a_empty=(cu, kv), prefix_rows=T // 2),
+                )
+                run(f"sglang fixup {tag}", lambda: sglang.fixup_zero_kv_rows(out, lse, kv, cu, 1))
+                run(f"vllm mask {tag}", lambda: vllm.mask_empty_context(lse.T, out, cu, cu_kv))
+                ops = torch.ops.zerokv
+                run(f"ops.fixup {tag}", lambda: ops.fixup_zero_kv_rows(out, lse, kv, cu))
+                run(f"ops.mask {tag}", lambda: ops.mask_empty_context(out, lse, cu, cu_kv))
+                run(
+                    f"ops.merge_state_out a_empty {tag}",
+                    lambda: ops.merge_state_out(v_a, s_a, v_b, s_b, out, lse, "e", None, cu, kv),
+                )
+
+
+def main() -> int:
+    valid_inputs()
+    lying_offsets()
+    torch.cuda.synchronize()
+    print(f"sanitize_ops: {calls} calls, {len(raised)} raised")
+    for line in raised:
+        print(f"  raised: {line}")
+    return 3 if raised else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Each kernel's Python description against its C parameter list in kernels_cu/ (no GPU needed).
+
+The packing of every launch comes from the description; these tests make a description that
+disagrees with the kernel (a parameter renamed, retyped, missing or swapped) fail here rather
+than as garbage on a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+from zerokv import _kernels, _runtime
+
+_GLOBAL = re.compile(
+    r"__global__\s+void\s+(__launch_bounds__\((?P<bounds>[^)]*)\)\s+)?(?P<name>\w+)\s*\((?P<params>[^)]*)\)",
+    re.S,
+)
+
+
+def _c_type(decl: str) -> str:
+    """Our C-type class of one parameter declaration (``const Tin* va`` -> ``ptr``)."""
+    decl = re.sub(r"\b(const|__restrict__|volatile)\b", " ", decl)
+    if "*" in decl:
+        return "ptr"
+    words = decl.split()[:-1]
+    kind = " ".join(words)
+    types = {"i64": "i64", "long long": "i64", "int": "i32", "float": "f32"}
+    if kind not in types:
+        raise AssertionError(f"parameter {decl.strip()!r} has a type the runtime cannot pack")
+    return types[kind]
+
+
+def c_signature(kernel: _kernels.Kernel) -> tuple[str, list[tuple[str, str]]]:
+    """``(launch bounds text, [(name, type), ...])`` of ``kernel`` as its source declares it."""
+    text = re.sub(r"//[^\n]*", "", _runtime.kernel_source(kernel))
+    found = {m["name"]: m for m in _GLOBAL.finditer(text)}
+    assert kernel.name in found, f"{kernel.name}: no __global__ function of that name in {kernel.stem}.cu"
+    m = found[kernel.name]
+    params = []
+    for decl in m["params"].split(","):
+        name = re.findall(r"\w+", decl)[-1]
+        params.append((name, _c_type(decl)))
+    return m["bounds"] or "", params
+
+
+def mismatches(kernel: _kernels.Kernel) -> list[str]:
+    """How ``kernel``'s description differs from its C signature (empty: they agree)."""
+    _, params = c_signature(kernel)
+    described = list(kernel.params)
+    problems = []
+    if [n for n, _ in described] != [n for n, _ in params]:
+        problems.append(f"names/order: described {[n for n, _ in described]}, C {[n for n, _ in params]}")
+    for (n, t), (cn, ct) in zip(described, params, strict=False):
+        if n == cn and t != ct:
+            problems.append(f"{n}: described as {t}, C type is {ct}")
+    return problems
+
+
+@pytest.mark.parametrize("kernel", _kernels.KERNELS, ids=lambda k: k.name)
+def test_description_matches_the_c_parameter_list(kernel):
+    assert mismatches(kernel) == []
+
+
+@pytest.mark.parametrize("kernel", _kernels.KERNELS, ids=lambda k: k.name)
+def test_block_size_reaches_the_launch_bounds(kernel):
+    bounds, _ = c_signature(kernel)
+    assert bounds.split(",")[0].strip() == f"ZK_BLOCK_{kernel.name}", bounds
+    assert f"#define ZK_BLOCK_{kernel.name} {kernel.block}\n" in _runtime.kernel_source(kernel)
+
+
+@pytest.mark.parametrize("kernel", _kernels.KERNELS, ids=lambda k: k.name)
+def test_packing_follows_c_alignment(kernel):
+    packer = kernel.packer
+    offset = 0
+    for (name, ctype), code in zip(kernel.params, re.findall(r"x*([A-Za-z])", packer.format[1:]), strict=False):
+        size = _kernels.CTYPES[ctype][1]
+        offset += -offset % size
+        assert _kernels.CTYPES[ctype][0] == code, name
+        offset += size
+    assert packer.size == offset
+    values = {n: (1.5 if t == "f32" else i + 1) for i, (n, t) in enumerate(kernel.params)}
+    assert len(kernel.pack(**values)) == packer.size
+    with pytest.raises(TypeError, match="missing"):
+        kernel.pack(**dict(list(values.items())[1:]))
+
+
+def _swapped(kernel: _kernels.Kernel, i: int, j: int) -> _kernels.Kernel:
+    params = list(kernel.params)
+    params[i], params[j] = params[j], params[i]
+    return dataclasses.replace(kernel, params=tuple(params))
+
+
+@pytest.mark.parametrize("kernel", _kernels.KERNELS, ids=lambda k: k.name)
+def test_swapping_two_parameters_is_caught(kernel):
+    # neighbours of the same C type (the swap a packing by type alone would miss), and the ends
+    pairs = [
+        (i, i + 1) for i in range(len(kernel.params) - 1) if kernel.params[i][1] == kernel.params[i + 1][1]
+    ]
+    pairs.append((0, len(kernel.params) - 1))
+    for i, j in pairs[:4]:
+        assert mismatches(_swapped(kernel, i, j)), (kernel.name, kernel.params[i], kernel.params[j])
+
+
+def test_a_retyped_parameter_is_caught():
+    k = _kernels.MERGE_STATE
+    params = tuple((n, "i32" if n == "T" else t) for n, t in k.params)
+    assert any("T: described as i32" in p for p in mismatches(dataclasses.replace(k, params=params)))
+
+
+def test_instantiations_are_unique_and_name_described_kernels():
+    inst = _kernels.instantiations()
+    assert set(inst) == {k.stem for k in _kernels.KERNELS}
+    for stem, exprs in inst.items():
+        assert len(exprs) == len(set(exprs)), stem
+        names = {k.name for k in _kernels.KERNELS if k.stem == stem}
+        assert all(e.split("<")[0] in names for e in exprs)
