@@ -1,73 +1,108 @@
-"""Benchmarks of zerokv: bandwidth, host cost per call and compile time.
+"""Benchmarks of zerokv: GPU time and bandwidth beside baselines, host cost per call, compile time.
 
-Run from the source tree (needs torch with CUDA, CuPy; Triton, matplotlib and tqdm are used
-when installed)::
+Run from the source tree (needs torch with CUDA and CuPy; Triton, FlashInfer, matplotlib and
+tqdm are used when installed)::
 
-    PYTHONPATH=. python -m bench                      # the full grid (a few minutes on an H200)
-    PYTHONPATH=. python -m bench --quick              # a small grid, well under 2 minutes
-    PYTHONPATH=. python -m bench --only merge,host    # some parts: merge, fixup, mask, host, compile
-    PYTHONPATH=. python -m bench --quick --out DIR    # results elsewhere (default: bench/results)
-    PYTHONPATH=. python -m bench --dry-run            # the harness on the CPU: tiny shapes, fake times
+    PYTHONPATH=. python -m bench                       # everything (a few minutes on an H200)
+    PYTHONPATH=. python -m bench --quick               # a representative part (about a minute)
+    PYTHONPATH=. python -m bench --only merge,host     # parts: merge, empty_rows, host, compile, cp
+    PYTHONPATH=. python -m bench --quick --out DIR     # results elsewhere (default: bench/results)
+    PYTHONPATH=. python -m bench --dry-run             # the whole pipeline on the CPU, synthetic times
 
-What is measured (GPU µs: median of CUDA-event times over repetitions, inputs rotated over sets
-that together exceed twice the L2 cache; GB/s = 1e9 bytes read + written per second; % of copy
-= against a torch ``copy_`` of 1 GiB in the same run):
+Parts:
 
-* merge: ``merge_state`` over T x H x D x dtype (bf16, fp16, fp32 partials -> bf16 output)
-  against torch eager, a Triton merge and FlashInfer (when importable); ``merge_states`` N=2, 4.
-* fixup, mask: ``fixup_zero_kv_rows`` / ``mask_empty_context`` with 0 to 32768 empty rows
-  against torch eager; % of copy on bytes written; the 0-row case beside an empty kernel launch.
-* host: host µs per call on tiny tensors against ``torch.mul(a, b, out=c)``; the engine adapters
-  when importable; merge_state inside a captured CUDA graph.
-* compile: first call of each op in a fresh process, cold (empty ``CUPY_CACHE_DIR``) and warm.
+* merge: ``merge_state`` over T x H x D, bf16 and fp16, both LSE layouts, beside a CUDA merge
+  in vLLM's design, a Triton merge, torch eager (and FlashInfer when importable), with
+  zerokv / best baseline per shape; ``merge_states`` N = 2, 4, 8.
+* empty_rows: ``fixup_zero_kv_rows`` and ``mask_empty_context`` at 0 to 32768 empty rows
+  beside torch eager; an empty kernel launch.
+* host: host µs per call of every op and adapter beside ``torch.mul(a, b, out=c)`` and the
+  Triton merge: a new token count every call, the same call repeated, outputs allocated.
+* compile: the first call of each op in a fresh process, cold and warm cache.
+* cp: context-parallel merge on two GPUs (``bench/bench_cp.py``, when present).
 
-Writes ``zerokv-bench-<date>-<mode>.json`` (environment and every row), ``.png`` (% of copy
-against bytes) and ``.md`` (the summary printed at the end, with the targets) into the output
-directory. Without a GPU it says so and exits (use ``--dry-run`` to check the harness).
+GPU µs come from replaying a CUDA graph of many calls (no host cost inside), beside the
+CUDA-event time of one call; inputs rotate over sets that together exceed twice the L2 where a
+shape allows. GB/s = 1e9 bytes read + written per second; % of copy = against a torch ``copy_``
+of 1 GiB in the same run. Each run writes ``zerokv-bench-<date>-<mode>.json`` (environment and
+every row), ``.md`` (the tables and targets printed at the end) and ``.png`` into ``--out``.
+
+Writing a bench module: ``bench/bench_<name>.py`` is listed in ``PARTS`` below and provides::
+
+    def tasks(b: common.Bench, part: str) -> list[common.Task]
+
+``part`` is the name given to ``--only`` (one module may serve several); ``b.mode`` is "full",
+"quick" or "dry" (the CPU, ``b.device`` is the CPU and ``b.timer`` a fake), so the module must
+pick sizes for each mode and keep "dry" quick. Each ``Task(part, label, run)`` is one step of
+the progress bar; ``run(b)`` returns ``common.Row`` records: ``op`` names the table and the PNG
+panel, ``impl`` the column and the line (``"zerokv"`` is ours, anything else a baseline),
+``params`` what identifies the configuration (rows with equal op, dtype, T, H, D and params
+share a table line), ``stats`` how it was measured, ``us`` µs per call, ``bytes`` the bytes
+floor (``b.row`` turns it into GB/s and % of copy; ``b.measure`` checks and times a call over
+rotating ``common.Sets``). A task that raises becomes a "failed" row and the run goes on; a
+task that cannot run here (too few GPUs) returns a row whose note starts with "skipped:".
+The report reads the rows only: an op it does not know gets a generic table and PNG panel.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
+import importlib.util
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
-PARTS = ("merge", "fixup", "mask", "host", "compile")
+PACKAGE = __package__ or "bench"
+PARTS = {
+    "merge": "bench_merge",
+    "empty_rows": "bench_empty_rows",
+    "host": "bench_host",
+    "compile": "bench_host",
+    "cp": "bench_cp",
+}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+
+
+def present(part: str) -> bool:
+    return importlib.util.find_spec(f"{PACKAGE}.{PARTS[part]}") is not None
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
+        epilog=__doc__.split("\n\n", 1)[1].split("\nWriting a bench module")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--quick", action="store_true", help="a small grid (well under 2 minutes on an H200)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a representative part of each grid (about a minute)"
+    )
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help="output directory (default: bench/results)"
     )
     parser.add_argument(
-        "--only",
-        default=",".join(PARTS),
-        help=f"comma-separated parts to run (default: all of {','.join(PARTS)})",
+        "--only", default=None, help=f"comma-separated parts (default: all of {','.join(PARTS)} present)"
     )
     parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="run the harness on the CPU with tiny shapes and synthetic times",
+        "--dry-run", action="store_true", help="the whole pipeline on the CPU: tiny shapes, synthetic times"
     )
     args = parser.parse_args(argv)
+    if args.only is None:
+        args.parts = [p for p in PARTS if present(p)]
+        return args
     parts = [p.strip() for p in args.only.split(",") if p.strip()]
     bad = [p for p in parts if p not in PARTS]
     if bad or not parts:
         parser.error(
             f"--only: unknown part(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(PARTS)}"
         )
+    missing = [p for p in parts if not present(p)]
+    if missing:
+        parser.error(f"--only: {', '.join(f'bench/{PARTS[p]}.py' for p in missing)} not found")
     args.parts = [p for p in PARTS if p in parts]
     return args
 
@@ -90,32 +125,19 @@ def make_bench(torch: Any, args: argparse.Namespace) -> Any:
     from .common import Bench, CudaTimer, FakeTimer
 
     if args.dry_run:
-        return Bench(torch, torch.device("cpu"), FakeTimer(), l2_bytes=4096, quick=args.quick, dry=True)
+        return Bench(torch, torch.device("cpu"), FakeTimer(), l2_bytes=4096, mode="dry")
     dev = torch.device("cuda", torch.cuda.current_device())
-    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0)
-    if not l2:
-        import cupy
-
-        l2 = int(cupy.cuda.runtime.getDeviceProperties(dev.index)["l2CacheSize"])
-    timer = CudaTimer(
-        torch, budget_s=0.1 if args.quick else 0.2, min_reps=10, max_reps=50 if args.quick else 100
-    )
-    return Bench(torch, dev, timer, l2_bytes=l2, quick=args.quick, dry=False)
+    l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 50 * 2**20
+    timer = CudaTimer(torch, budget_us=6000.0 if args.quick else 10000.0)
+    return Bench(torch, dev, timer, l2_bytes=l2, mode="quick" if args.quick else "full")
 
 
 def plan(b: Any, parts: list[str]) -> list[Any]:
-    from . import bench_compile, bench_fixup, bench_host, bench_mask, bench_merge
-    from .common import Task, copy_row, empty_launch_row
+    from .common import Task, copy_row
 
-    modules = {"merge": bench_merge, "fixup": bench_fixup, "mask": bench_mask, "host": bench_host}
-    modules["compile"] = bench_compile
-    copy_bytes = 2**20 if b.dry else 2**30
-    tasks = [
-        Task("setup", "copy bandwidth", lambda b: [copy_row(b, copy_bytes)]),
-        Task("setup", "empty kernel launch", lambda b: [empty_launch_row(b)]),
-    ]
+    tasks = [Task("setup", "copy bandwidth", lambda b: [copy_row(b)])]
     for part in parts:
-        tasks += modules[part].tasks(b.mode)
+        tasks += importlib.import_module(f"{PACKAGE}.{PARTS[part]}").tasks(b, part)
     return tasks
 
 
@@ -127,19 +149,18 @@ def main(argv: list[str] | None = None) -> int:
         print("bench: torch is not installed; the benchmarks need torch (with CUDA) and CuPy.")
         return 1
     if not args.dry_run and (problem := gpu_problem(torch)):
-        print(f"bench: {problem}: nothing measured. (--dry-run checks the harness on the CPU.)")
+        print(f"bench: {problem}: nothing measured. (--dry-run runs the pipeline on the CPU.)")
         return 0
 
-    from . import plot, report, targets
-    from .common import Row, free_memory
-    from .progress import Progress
+    from . import report
+    from .common import Progress, Row, free_memory
 
     torch.manual_seed(0)
     b = make_bench(torch, args)
     tasks = plan(b, args.parts)
     where = "the CPU (dry run)" if b.dry else torch.cuda.get_device_name(b.device)
     print(
-        f"zerokv bench, {b.mode} grid, parts {','.join(args.parts)}, on {where}: {len(tasks)} tasks",
+        f"zerokv bench, {b.mode}, parts {','.join(args.parts)}, on {where}: {len(tasks)} tasks",
         file=sys.stderr,
     )
     rows: list[Row] = []
@@ -160,24 +181,19 @@ def main(argv: list[str] | None = None) -> int:
         free_memory(b)
     progress.close()
 
-    judged = targets.evaluate(rows, b.empty_launch_us)
+    targets = report.evaluate(rows, big_bytes=0 if b.dry else 256e6)
     env = report.environment(b, {"quick": args.quick, "only": args.parts, "dry_run": args.dry_run})
     env["wall_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    stem = args.out / f"zerokv-bench-{stamp}-{b.mode}"
-    header = (
-        f"# zerokv bench ({b.mode}): {env.get('gpu')}, driver {env.get('driver')}, torch {env.get('torch')}, "
-        f"CuPy {env.get('cupy')}, NVRTC {env.get('nvrtc')}, CUDA runtime {env.get('cuda_runtime')}, "
-        f"Triton {env.get('triton')}, {env['date']}, commit {env.get('git_commit')}"
-    )
-    text = header + "\n\n" + report.summary(b, rows, judged)
-    report.write_json(stem.with_suffix(".json"), env, rows, judged)
-    png_note = plot.write_png(rows, stem.with_suffix(".png"), header.removeprefix("# "))
+    stem = args.out / f"zerokv-bench-{datetime.datetime.now():%Y%m%d-%H%M%S}-{b.mode}"
+    title = report.header(env)
+    text = f"# {title}\n\n{report.summary(rows, targets)}"
+    report.write_json(stem.with_suffix(".json"), env, rows, targets)
     stem.with_suffix(".md").write_text(text + "\n")
+    png_note = report.write_png(rows, stem.with_suffix(".png"), title)
     print(text)
     print()
-    written = [stem.with_suffix(s) for s in (".json", ".md")] + (
+    written = [stem.with_suffix(".json"), stem.with_suffix(".md")] + (
         [] if png_note else [stem.with_suffix(".png")]
     )
     print("wrote " + ", ".join(str(p) for p in written) + (f" ({png_note})" if png_note else ""))

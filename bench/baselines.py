@@ -19,6 +19,7 @@ multiplied), two empty inputs give ``(0, -inf)``, NaN propagates.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -121,6 +122,11 @@ if triton is not None:
         tl.store(olse + t * ol_st + h * ol_sh, tl.where(total == 0.0, float("-inf"), m + tl.log(total)))
 
 
+def triton_interpreted() -> bool:
+    """Triton runs on the CPU (its interpreter): the dry run can include it."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def triton_merge_state(v_a: Any, s_a: Any, v_b: Any, s_b: Any, out: Any, out_lse: Any) -> tuple[Any, Any]:
     """``V [T, H, D]`` (unit stride on D), ``LSE [T, H]`` any strides, natural log."""
     if triton is None:
@@ -220,8 +226,15 @@ VLLM_DESIGN = Kernel(
     instances=tuple((t,) for t in VLLM_DESIGN_TYPES.values()),
     block=128,
     params=(
-        ("va", "ptr"), ("sa", "ptr"), ("vb", "ptr"), ("sb", "ptr"), ("out", "ptr"), ("olse", "ptr"),
-        ("T", "i32"), ("H", "i32"), ("D", "i32"),
+        ("va", "ptr"),
+        ("sa", "ptr"),
+        ("vb", "ptr"),
+        ("sb", "ptr"),
+        ("out", "ptr"),
+        ("olse", "ptr"),
+        ("T", "i32"),
+        ("H", "i32"),
+        ("D", "i32"),
     ),  # fmt: skip
     code=VLLM_DESIGN_SOURCE,
 )
@@ -229,7 +242,9 @@ VLLM_DESIGN = Kernel(
 _launchers: dict[tuple[Any, int], Any] = {}
 
 
-def vllm_design_args(v_a: Any, s_a: Any, v_b: Any, s_b: Any, out: Any, out_lse: Any) -> tuple[dict[str, int], int]:
+def vllm_design_args(
+    v_a: Any, s_a: Any, v_b: Any, s_b: Any, out: Any, out_lse: Any
+) -> tuple[dict[str, int], int]:
     """The kernel's arguments by name and its grid, after checking the layout it is built for."""
     if v_a.dtype not in VLLM_DESIGN_TYPES or not v_a.dtype == v_b.dtype == out.dtype:
         raise TypeError(f"vLLM-design merge: V dtypes {v_a.dtype}, {v_b.dtype} -> {out.dtype} not supported")
@@ -293,13 +308,17 @@ def compile_offline(kernel: Kernel = VLLM_DESIGN, arch: str = "sm_90") -> dict[s
         return tuple(rest)
 
     code = f"#define ZK_BLOCK_{kernel.name} {kernel.block}\n" + (kernel.code or "")
-    (prog,) = check(nvrtc.nvrtcCreateProgram(code.encode(), f"{kernel.stem}.cu".encode(), 0, [], []), "create")
+    (prog,) = check(
+        nvrtc.nvrtcCreateProgram(code.encode(), f"{kernel.stem}.cu".encode(), 0, [], []), "create"
+    )
     try:
         for e in kernel.expressions:
             check(nvrtc.nvrtcAddNameExpression(prog, e.encode()), f"name {e}")
         opts = [f"-arch={arch}".encode(), b"-ftz=true", b"--std=c++17"]
         check(nvrtc.nvrtcCompileProgram(prog, len(opts), opts), "compile", prog)
-        return {e: check(nvrtc.nvrtcGetLoweredName(prog, e.encode()), e)[0].decode() for e in kernel.expressions}
+        return {
+            e: check(nvrtc.nvrtcGetLoweredName(prog, e.encode()), e)[0].decode() for e in kernel.expressions
+        }
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -427,7 +427,11 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
         else:
-            print(f"[{self.count}/{self.total}] {label}: {brief(rows)} ({seconds:.1f} s)", file=sys.stderr, flush=True)
+            print(
+                f"[{self.count}/{self.total}] {label}: {brief(rows)} ({seconds:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def write(self, text: str) -> None:
         if self.bar is not None:

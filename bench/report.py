@@ -1,4 +1,9 @@
-"""What a run leaves behind: the environment, the JSON of every row, the summary tables."""
+"""What a run leaves behind: the environment, the JSON of every row, the Markdown tables, the PNG
+and the targets table.
+
+Everything here reads the rows only (their ``op``, ``impl`` and ``params`` labels), never the
+bench modules: an op this file does not know still gets a table and a PNG panel.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +12,24 @@ import json
 import math
 import platform
 import subprocess
-from collections.abc import Iterable
-from dataclasses import asdict
+import textwrap
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .bench_compile import TOTAL
-from .bench_host import GRAPH
-from .common import Bench, Row
-from .targets import Target
+from .common import Row
 
 ROOT = Path(__file__).resolve().parent.parent
-SUSPICIOUS_ERR = 0.1  # bf16 outputs of unit-scale data are off by ~1e-2 at most
+SUSPICIOUS_ERR = 0.1  # unit-scale bf16 data is off by ~1e-2 at most
+OURS = "zerokv"
+KNOWN = ("copy", "empty_launch", "merge_state", "merge_states", "fixup_zero_kv_rows", "mask_empty_context")
+KNOWN += ("host", "compile")
+
+# --- environment and JSON -----------------------------------------------------------------------
 
 
-def _try(fn: Any) -> Any:
+def _try(fn: Callable[[], Any]) -> Any:
     try:
         return fn()
     except Exception:
@@ -38,13 +46,19 @@ def _driver_version() -> str | None:
             return out.splitlines()[0]
     except (OSError, subprocess.SubprocessError):
         pass
-    text = Path("/proc/driver/nvidia/version").read_text()  # "... Kernel Module  580.82.07  ..."
-    words = text.split()
+    words = Path("/proc/driver/nvidia/version").read_text().split()  # "... Kernel Module  580.82.07 ..."
     return next(w for w in words if w.count(".") >= 1 and w.replace(".", "").isdigit())
 
 
-def environment(b: Bench, args: dict[str, Any]) -> dict[str, Any]:
-    """GPU, driver and library versions, date, and the options of the run."""
+def _nvrtc_version() -> str | None:
+    from cuda.bindings import nvrtc
+
+    _, major, minor = nvrtc.nvrtcVersion()
+    return f"{major}.{minor}"
+
+
+def environment(b: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """GPU, driver and library versions, date, commit and the options of the run."""
     torch = b.torch
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -55,11 +69,8 @@ def environment(b: Bench, args: dict[str, Any]) -> dict[str, Any]:
         "torch_cuda": torch.version.cuda,
         "l2_bytes": b.l2_bytes,
         "copy_gbps": b.copy_gbps,
-        "empty_launch_us": b.empty_launch_us,
     }
-    import numpy
-
-    env["numpy"] = numpy.__version__
+    env["numpy"] = _try(lambda: __import__("numpy").__version__)
     env["zerokv"] = _try(lambda: __import__("zerokv").__version__)
     env["git_commit"] = _try(
         lambda: (
@@ -70,22 +81,31 @@ def environment(b: Bench, args: dict[str, Any]) -> dict[str, Any]:
         )
     )
     env["triton"] = _try(lambda: __import__("triton").__version__)
+    env["flashinfer"] = _try(lambda: __import__("flashinfer").__version__)
+    env["cupy"] = _try(lambda: __import__("cupy").__version__)
+    env["nvrtc"] = _try(_nvrtc_version)
     if b.dry:
         env["gpu"] = "none (dry run: CPU, synthetic times)"
         return env
+    import cupy
+
     props = torch.cuda.get_device_properties(b.device)
     env["gpu"] = props.name
     env["compute_capability"] = f"{props.major}.{props.minor}"
     env["sm_count"] = props.multi_processor_count
     env["gpu_memory_bytes"] = props.total_memory
     env["driver"] = _try(_driver_version)
-    import cupy
-
-    env["cupy"] = cupy.__version__
     env["cuda_driver_api"] = _try(cupy.cuda.runtime.driverGetVersion)
     env["cuda_runtime"] = _try(cupy.cuda.runtime.runtimeGetVersion)
-    env["nvrtc"] = _try(lambda: ".".join(map(str, cupy.cuda.nvrtc.getVersion())))
+    env["nvrtc"] = env["nvrtc"] or _try(lambda: ".".join(map(str, cupy.cuda.nvrtc.getVersion())))
     return env
+
+
+def header(env: dict[str, Any]) -> str:
+    keys = ("driver", "torch", "cupy", "nvrtc", "cuda_runtime", "triton", "flashinfer")
+    names = ("driver", "torch", "CuPy", "NVRTC", "CUDA runtime", "Triton", "FlashInfer")
+    versions = ", ".join(f"{n} {env.get(k)}" for n, k in zip(names, keys, strict=True) if env.get(k))
+    return f"zerokv bench ({env['mode']}): {env.get('gpu')}, {versions}, {env['date']}, commit {env.get('git_commit')}"
 
 
 def _clean(x: Any) -> Any:
@@ -104,10 +124,10 @@ def write_json(path: Path, env: dict[str, Any], rows: list[Row], targets: list[T
     path.write_text(json.dumps(_clean(doc), indent=1) + "\n")
 
 
-# --- tables ---------------------------------------------------------------------------------
+# --- formatting ---------------------------------------------------------------------------------
 
 
-def table(headers: list[str], body: Iterable[list[str]]) -> str:
+def table(headers: list[str], body: Iterable[list[Any]]) -> str:
     body = [[str(c) for c in r] for r in body]
     widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(headers)]
 
@@ -130,149 +150,368 @@ def mb(nbytes: int) -> str:
     return f"{x:.3g}" if x < 100 else f"{x:.0f}"
 
 
-def cell(r: Row | None) -> str:
+def pct(r: Row | None) -> str:
+    return "-" if r is None or r.pct_copy is None else f"{r.pct_copy:.1f}"
+
+
+def cell(r: Row | None, mark: str = "") -> str:
+    """GPU µs (and % of copy) of a row, or why there is none."""
     if r is None:
         return ""
     if r.us is None:
         return r.note.split(":")[0] or "-"
-    return f"{us(r.us)} µs {r.pct_copy:.0f}%" if r.pct_copy is not None else f"{us(r.us)} µs"
+    text = f"{us(r.us)}{mark}"
+    if r.stats.get("timed_by") == "events":
+        text += " (ev)"
+    return f"{text} ({r.pct_copy:.0f}%)" if r.pct_copy is not None else text
 
 
 def err(r: Row | None) -> str:
     return "-" if r is None or r.max_err is None else f"{r.max_err:.1e}"
 
 
-def _pivot(rows: list[Row], key: Any) -> tuple[list[str], dict[Any, dict[str, Row]]]:
-    impls: list[str] = []
-    groups: dict[Any, dict[str, Row]] = {}
+def _shape(r: Row) -> str:
+    return " ".join(f"{k}={v}" for k, v in (("T", r.T), ("H", r.H), ("D", r.D)) if v is not None)
+
+
+def _where(r: Row) -> str:
+    extra = " ".join(f"{k}={v}" for k, v in r.params.items())
+    return " ".join(x for x in (r.op, r.impl, r.dtype, _shape(r), extra) if x)
+
+
+def _impls(rows: list[Row]) -> list[str]:
+    """Implementations in order of appearance, zerokv first."""
+    seen: list[str] = []
     for r in rows:
-        if r.impl not in impls:
-            impls.append(r.impl)
-        groups.setdefault(key(r), {})[r.impl] = r
-    return impls, groups
+        if r.impl not in seen:
+            seen.append(r.impl)
+    return sorted(seen, key=lambda i: i != OURS)
 
 
-def _bandwidth_table(rows: list[Row], first: list[str], key: Any, lead: Any) -> str:
-    impls, groups = _pivot(rows, key)
+# --- merge_state: per shape and layout, zerokv against the best baseline ------------------------
+
+
+def _shape_key(r: Row) -> tuple:
+    return (r.dtype, r.T, r.H, r.D)
+
+
+def merge_lines(rows: list[Row]) -> list[dict[str, Any]]:
+    """One entry per (shape, layout) zerokv ran: its row, the baselines' rows (from the same
+    layout, else from the other one), the best baseline of the shape in any layout, the ratio."""
+    ms = [r for r in rows if r.op == "merge_state"]
+    by_shape: dict[tuple, list[Row]] = {}
+    for r in ms:
+        by_shape.setdefault(_shape_key(r), []).append(r)
+    lines = []
+    for key, rs in by_shape.items():
+        bases = [r for r in rs if r.impl != OURS and r.us is not None]
+        best = min(bases, key=lambda r: r.us, default=None)
+        for z in (r for r in rs if r.impl == OURS):
+            layout = z.params.get("layout")
+            cells = {}
+            for r in rs:
+                if r.impl == OURS:
+                    continue
+                same = r.params.get("layout") == layout
+                if same or r.impl not in cells:
+                    cells[r.impl] = (r, "" if same else "*")
+            ratio = z.us / best.us if z.us is not None and best is not None else None
+            lines.append(
+                {"key": key, "layout": layout, "zerokv": z, "cells": cells, "best": best, "ratio": ratio}
+            )
+    return lines
+
+
+def merge_section(rows: list[Row]) -> list[str]:
+    lines = merge_lines(rows)
+    if not lines:
+        return []
+    bases = [i for i in _impls([r for r in rows if r.op == "merge_state"]) if i != OURS]
+    out = [
+        "## merge_state\n\nMB: 2 V + 2 LSE read, 1 V + 1 LSE written. Cells: GPU µs per call from a CUDA-graph "
+        "replay (% of copy); `1 call`: CUDA-event time of one eager call. Layout TH: LSE `[T, H]`; HT: an "
+        "`[H, T]` buffer passed as `.T`. `*`: measured in the other layout (the vLLM-design CUDA merge reads "
+        "`[H, T]` natively). best: the fastest baseline of the shape in any layout."
+    ]
+    summary = []
+    for dtype in dict.fromkeys(x["key"][0] for x in lines):
+        for layout in dict.fromkeys(x["layout"] for x in lines):
+            sel = [
+                x for x in lines if x["key"][0] == dtype and x["layout"] == layout and x["ratio"] is not None
+            ]
+            if sel:
+                worst = max(sel, key=lambda x: x["ratio"])
+                over = sum(x["ratio"] > 1.0 for x in sel)
+                z = worst["zerokv"]
+                summary.append([dtype, layout, len(sel), over, f"{worst['ratio']:.2f} ({_shape(z)})"])
+    if summary:
+        out.append(table(["dtype", "layout", "shapes", "zerokv/best > 1.00", "worst zerokv/best"], summary))
     body = []
-    for cells in groups.values():
-        any_row = next(iter(cells.values()))
-        body.append(lead(any_row) + [cell(cells.get(i)) for i in impls] + [err(cells.get("zerokv"))])
-    return table(first + impls + ["max err zerokv"], body)
+    for x in lines:
+        z: Row = x["zerokv"]
+        base = [cell(*x["cells"][i]) if i in x["cells"] else "" for i in bases]
+        ratio = "-" if x["ratio"] is None else f"{x['ratio']:.2f}"
+        best = "-" if x["best"] is None else x["best"].impl
+        body.append(
+            [z.dtype, z.T, z.H, z.D, x["layout"], mb(z.bytes), cell(z), us(z.event_us)]
+            + base
+            + [best, ratio, err(z)]
+        )
+    heads = (
+        ["dtype", "T", "H", "D", "layout", "MB", "zerokv", "1 call"] + bases + ["best", "zerokv/best", "err"]
+    )
+    out.append(table(heads, body))
+    return out
 
 
-def summary(b: Bench, rows: list[Row], targets: list[Target]) -> str:
+# --- the other sections -------------------------------------------------------------------------
+
+
+def pivot_section(title: str, rows: list[Row], lead: list[str], key: Callable[[Row], list[Any]]) -> list[str]:
+    """One line per configuration (``key``), one column per implementation."""
+    if not rows:
+        return []
+    impls = _impls(rows)
+    groups: dict[tuple, dict[str, Row]] = {}
+    for r in rows:
+        groups.setdefault(tuple(key(r)), {})[r.impl] = r
+    body = []
+    for k, cells in groups.items():
+        z = cells.get(OURS) or next(iter(cells.values()))
+        body.append(
+            list(k)
+            + [mb(z.bytes) if z.bytes else "-"]
+            + [cell(cells.get(i)) for i in impls]
+            + [us(z.event_us), err(z)]
+        )
+    return [title, table(lead + ["MB"] + impls + ["1 call", "err"], body)]
+
+
+def host_section(rows: list[Row]) -> list[str]:
+    hr = [r for r in rows if r.op == "host"]
+    if not hr:
+        return []
+    ref = {m: _host_ref(rows, m) for m in ("a", "b", "c")}
+    calls: dict[str, dict[str, Row]] = {}
+    for r in hr:
+        calls.setdefault(r.impl, {})[r.params.get("mode", "?")] = r
+    body = []
+    for label, modes in calls.items():
+        line = [label]
+        for m in ("a", "b", "c"):
+            r = modes.get(m)
+            line.append("-" if r is None else (us(r.us) if r.us is not None else r.note.split(":")[0]))
+            line.append(f"{r.us / ref[m].us:.2f}" if r is not None and r.us and ref[m] and ref[m].us else "-")
+        body.append(line + ["; ".join(r.note for r in modes.values() if r.note)])
+    mul = ref["a"]
+    first = hr[0]
+    text = (
+        f"## host µs per call (H={first.H} D={first.D} {first.dtype})\n\n(a) a new T every call (slices of "
+        "preallocated buffers, the slicing subtracted); (b) the same call repeated; (c) outputs allocated by "
+        "the op, new T every call. `x`: over `torch.mul(a, b, out=c)` measured the same way ((a) for (c))."
+    )
+    if mul is None:
+        text += " (torch.mul not measured)"
+    heads = ["call", "(a) µs", "x", "(b) µs", "x", "(c) µs", "x", "note"]
+    return [text, table(heads, body)]
+
+
+def _host_ref(rows: list[Row], mode: str) -> Row | None:
+    """torch.mul(out=) in the mode that a zerokv row of ``mode`` is compared with."""
+    want = "a" if mode == "c" else mode
+    return next(
+        (
+            r for r in rows
+            if r.op == "host" and r.params.get("kind") == "reference" and r.params.get("mode") == want and r.us
+        ),
+        None,
+    )  # fmt: skip
+
+
+def compile_section(rows: list[Row]) -> list[str]:
+    cr = [r for r in rows if r.op == "compile" and r.impl in ("cold", "warm")]
+    if not cr:
+        return []
+    grid: dict[tuple[str, str], dict[str, Row]] = {}
+    for r in cr:
+        grid.setdefault((r.params.get("set"), r.params.get("item")), {})[r.impl] = r
+
+    def sec(r: Row | None) -> str:
+        return "-" if r is None or r.us is None else f"{r.us / 1e6:.3f}"
+
+    body = [[w, item, sec(c.get("cold")), sec(c.get("warm"))] for (w, item), c in grid.items()]
+    out = ["## first use (s): cold = empty CUPY_CACHE_DIR, warm = a new process on that cache"]
+    out.append(table(["set", "item", "cold s", "warm s"], body))
+    total = next((r for r in cr if r.params.get("item") == "total"), None)
+    if total is not None:
+        p = total.stats
+        out.append(
+            f"(import zerokv: {p.get('import_s', 0):.3f} s, not counted; CuPy imported by it: {p.get('cupy_imported_by_import')})"
+        )
+    return out
+
+
+def summary(rows: list[Row], targets: list[Target], copy_note: str = "") -> str:
     copy = next((r for r in rows if r.op == "copy" and r.gbps), None)
     parts = [
         f"GB/s = 1e9 bytes read + written per second; % = of the copy bandwidth, {copy.gbps:.0f} GB/s "
-        f"(torch copy_ of {copy.bytes / 2 / 2**20:.0f} MiB, {copy.us:.0f} µs); cells: GPU µs and % of copy"
+        f"(torch copy_ of {copy.bytes / 2 / 2**20:.0f} MiB, {us(copy.us)} µs GPU time)"
         if copy
         else "no copy bandwidth measured"
     ]
-
-    def sel(op: str) -> list[Row]:
-        return [r for r in rows if r.op == op]
-
-    if ms := sel("merge_state"):
-        parts.append("## merge_state (MB moved: 2 V + 2 LSE read, 1 V + 1 LSE written)")
-        parts.append(
-            _bandwidth_table(
-                ms,
-                ["dtype", "T", "H", "D", "MB"],
-                lambda r: (r.dtype, r.T, r.H, r.D),
-                lambda r: [r.dtype, r.T, r.H, r.D, mb(r.bytes)],
-            )  # fmt: skip
-        )
-    if ms := sel("merge_states"):
-        parts.append("## merge_states bf16 (MB moved: N+1 V and N+1 LSE)")
-        parts.append(
-            _bandwidth_table(
-                ms,
-                ["N", "T", "H", "D", "MB"],
-                lambda r: (r.params.get("N"), r.T, r.H, r.D),
-                lambda r: [r.params.get("N"), r.T, r.H, r.D, mb(r.bytes)],
-            )  # fmt: skip
-        )
+    parts += merge_section(rows)
+    parts += pivot_section(
+        "## merge_states, N-way (MB: N + 1 V and N + 1 LSE)",
+        [r for r in rows if r.op == "merge_states"],
+        ["N", "dtype", "T", "H", "D"],
+        lambda r: [r.params.get("N"), r.dtype, r.T, r.H, r.D],
+    )
+    launch = next((r for r in rows if r.op == "empty_launch" and r.us is not None), None)
     for op in ("fixup_zero_kv_rows", "mask_empty_context"):
-        if er := sel(op):
-            r0 = er[0]
-            parts.append(f"## {op}, T={r0.T} H={r0.H} D={r0.D} bf16 (MB written; % of copy on bytes written)")
-            parts.append(
-                _bandwidth_table(
-                    er,
-                    ["empty rows", "MB written"],
-                    lambda r: r.params.get("empty_rows"),
-                    lambda r: [r.params.get("empty_rows"), mb(r.bytes)],
-                )  # fmt: skip
-            )
-            if b.empty_launch_us is not None:
-                parts.append(f"(empty kernel launch: {us(b.empty_launch_us)} µs GPU time)")
-    if hr := [r for r in sel("host") if r.impl != GRAPH]:
-        parts.append("## host µs per call (T=4 H=2 D=64 bf16)")
-        parts.append(
-            table(
-                ["call", "µs", "x torch.mul", "note"],
-                [
-                    [
-                        r.impl,
-                        us(r.us),
-                        f"{r.params['ratio_to_torch_mul']:.2f}" if "ratio_to_torch_mul" in r.params else "-",
-                        r.note,
-                    ]
-                    for r in hr
-                ],
-            )
-        )
-    for r in sel("host"):
-        if r.impl == GRAPH:
-            p = r.params
-            text = (
-                f"CUDA graph of {p.get('calls_per_graph')} merge_state calls: {us(r.us)} µs per call in the replay "
-                f"(GPU); eager: {us(p.get('eager_gpu_us'))} µs GPU, {us(p.get('eager_host_us'))} µs host per call; "
-                f"replay matches eager: {p.get('replay_matches_eager')}"
-                if r.us is not None
-                else f"CUDA graph: {r.note}"
-            )
-            parts.append(text)
-    if cr := sel("compile"):
-        parts.append("## first use (s): cold = empty CUPY_CACHE_DIR, warm = new process on that cache")
-        grid: dict[tuple[str, str], dict[str, Row]] = {}
-        for r in cr:
-            if r.impl not in ("cold", "warm"):
-                continue
-            grid.setdefault((r.params.get("set"), r.params.get("item")), {})[r.impl] = r
-        body = [
-            [which, item, _seconds(cells.get("cold")), _seconds(cells.get("warm"))]
-            for (which, item), cells in grid.items()
-        ]
-        parts.append(table(["set", "item", "cold s", "warm s"], body))
-        tot = [r for r in cr if r.params.get("item") == TOTAL]
-        if tot:
-            p = tot[0].params
-            parts.append(
-                f"(import zerokv: {p.get('import_s', 0):.3f} s, not counted; cupy imported by it: {p.get('cupy_imported_by_import')})"
-            )
+        er = [r for r in rows if r.op == op]
+        if er:
+            title = f"## {op}, T={er[0].T} H={er[0].H} D={er[0].D} {er[0].dtype} (MB written; % of copy on bytes written)"
+            if launch:
+                title += f"\n\nAn empty kernel launched as zerokv launches: {us(launch.us)} µs (graph), {us(launch.event_us)} µs (1 call)."
+            parts += pivot_section(title, er, ["empty rows"], lambda r: [r.params.get("empty_rows")])
+    parts += host_section(rows)
+    parts += compile_section(rows)
+    for op in dict.fromkeys(r.op for r in rows if r.op not in KNOWN):
+        extra = sorted({k for r in rows if r.op == op for k in r.params})
+        parts += pivot_section(
+            f"## {op}", [r for r in rows if r.op == op], ["dtype", "T", "H", "D"] + extra,
+            lambda r, extra=extra: [r.dtype, r.T, r.H, r.D] + [r.params.get(k, "") for k in extra],
+        )  # fmt: skip
     odd = [r for r in rows if r.max_err is not None and not r.max_err <= SUSPICIOUS_ERR]
     if odd:
-        parts.append(f"## max err over {SUSPICIOUS_ERR} against the float64 reference")
+        parts.append(f"## max error over {SUSPICIOUS_ERR} against the float64 reference")
         parts.append("\n".join(f"- {_where(r)}: {r.max_err:.3g}" for r in odd))
-    failed = [r for r in rows if r.note.startswith("failed")]
-    if failed:
-        parts.append("## failures")
-        parts.append("\n".join(f"- {_where(r)}: {r.note}" for r in failed))
+    for word in ("failed", "skipped"):
+        bad = [r for r in rows if r.note.startswith(word)]
+        if bad:
+            parts.append(f"## {word}")
+            parts.append("\n".join(f"- {_where(r)}: {r.note}" for r in bad))
     parts.append("## targets")
     parts.append(targets_table(targets))
     return "\n\n".join(parts)
 
 
-def _where(r: Row) -> str:
-    shape = " ".join(f"{k}={v}" for k, v in (("T", r.T), ("H", r.H), ("D", r.D)) if v is not None)
-    extra = " ".join(f"{k}={v}" for k, v in r.params.items() if k in ("N", "empty_rows", "item"))
-    return " ".join(x for x in (r.op, r.impl, r.dtype, shape, extra) if x)
+# --- targets --------------------------------------------------------------------------------------
 
 
-def _seconds(r: Row | None) -> str:
-    return "-" if r is None else f"{r.us / 1e6:.3f}"
+@dataclass
+class Target:
+    """``ratio`` = measured / goal: at least 1 is good for a ">=" goal, at most 1 for "<="."""
+
+    name: str
+    goal: str
+    measured: str = "not measured"
+    ratio: float | None = None
+    reached: bool | None = None
+
+    def judge(self, value: float, goal: float, text: str, at_least: bool) -> Target:
+        self.measured, self.ratio = text, value / goal
+        self.reached = value >= goal if at_least else value <= goal
+        return self
+
+
+def _find(rows: list[Row], op: str, impl: str = OURS, **want: Any) -> Row | None:
+    for r in rows:
+        same = r.op == op and r.impl == impl and r.us is not None
+        if same and all(getattr(r, k, None) == v or r.params.get(k) == v for k, v in want.items()):
+            return r
+    return None
+
+
+def _worst(t: Target, found: list[tuple[float, str]], goal: float, at_least: bool, unit: str = "") -> Target:
+    """Judge the worst of several (value, where) against one goal."""
+    if not found:
+        return t
+    value, where = (min if at_least else max)(found)
+    missed = sum((v < goal) if at_least else (v > goal) for v, _ in found)
+    return t.judge(value, goal, f"worst {value:.2f}{unit} ({where}); {missed} of {len(found)} miss", at_least)
+
+
+def evaluate(rows: list[Row], big_bytes: float = 256e6) -> list[Target]:
+    out: list[Target] = []
+
+    lines = merge_lines(rows)
+    for layout in ("TH", "HT"):
+        t = Target(f"merge_state zerokv / best baseline, layout {layout}, every shape", "<= 1.00")
+        found = [
+            (x["ratio"], f"{x['key'][0]} {_shape(x['zerokv'])}")
+            for x in lines
+            if x["layout"] == layout and x["ratio"]
+        ]
+        out.append(_worst(t, found, 1.0, at_least=False))
+
+    t = Target(f"merge_state zerokv, every shape >= {big_bytes / 1e6:.0f} MB moved", ">= 90 % of copy")
+    big = [
+        r for r in rows if r.op == "merge_state" and r.impl == OURS and r.bytes >= big_bytes and r.pct_copy
+    ]
+    out.append(
+        _worst(
+            t, [(r.pct_copy, f"{r.dtype} {_shape(r)} {r.params.get('layout')}") for r in big], 90, True, " %"
+        )
+    )
+
+    for N in (2, 4, 8):
+        t = Target(f"merge_states N={N}, >= {big_bytes / 1e6:.0f} MB moved", ">= 90 % of copy")
+        sel = [
+            r for r in rows
+            if r.op == "merge_states" and r.impl == OURS and r.params.get("N") == N and r.bytes >= big_bytes and r.pct_copy
+        ]  # fmt: skip
+        out.append(_worst(t, [(r.pct_copy, f"{_shape(r)}") for r in sel], 90, True, " %"))
+
+    for op in ("fixup_zero_kv_rows", "mask_empty_context"):
+        for E, goal in ((4096, 85.0), (32768, 88.0)):
+            t = Target(f"{op}, {E} empty rows", f">= {goal:.0f} % of copy (bytes written)")
+            r = _find(rows, op, empty_rows=E)
+            if r and r.pct_copy:
+                t.judge(r.pct_copy, goal, f"{r.pct_copy:.1f} % ({us(r.us)} µs, {_shape(r)})", at_least=True)
+            out.append(t)
+        t = Target(f"{op}, no empty row", "<= 1.5 µs (GPU, graph)")
+        r = _find(rows, op, empty_rows=0)
+        if r:
+            t.judge(r.us, 1.5, f"{us(r.us)} µs", at_least=False)
+        out.append(t)
+
+    out += host_targets(rows)
+
+    t = Target("cold compile, engine set (bf16 vector path of each op)", "<= 3 s")
+    r = _find(rows, "compile", "cold", set="engine", item="total")
+    if r:
+        t.judge(r.us / 1e6, 3.0, f"{r.us / 1e6:.2f} s", at_least=False)
+    out.append(t)
+    t = Target("warm first call of each op in a new process, after import", "<= 0.5 s")
+    r = _find(rows, "compile", "warm", set="engine", item="total")
+    if r:
+        t.judge(r.us / 1e6, 0.5, f"{r.us / 1e6:.3f} s", at_least=False)
+    out.append(t)
+    return out
+
+
+def host_targets(rows: list[Row]) -> list[Target]:
+    """Issue-8 goals, over torch.mul(out=) of the same process: (a) merge_state <= 1.3 x, every
+    other op and adapter <= 1.5 x; (b) <= 1.2 x; (c) <= 2 x. (a) is the headline."""
+    ours = [r for r in rows if r.op == "host" and r.params.get("kind") == OURS and r.us is not None]
+
+    def ratios(mode: str, keep: Callable[[Row], bool]) -> list[tuple[float, str]]:
+        ref = _host_ref(rows, mode)
+        if ref is None:
+            return []
+        return [(r.us / ref.us, r.impl) for r in ours if r.params.get("mode") == mode and keep(r)]
+
+    out = []
+    t = Target("host (a) new T every call: merge_state, six tensors", "<= 1.3 x torch.mul(out=)")
+    out.append(_worst(t, ratios("a", lambda r: r.impl == "merge_state"), 1.3, False, " x"))
+    t = Target("host (a) new T every call: every other op and adapter", "<= 1.5 x torch.mul(out=)")
+    out.append(_worst(t, ratios("a", lambda r: r.impl != "merge_state"), 1.5, False, " x"))
+    t = Target("host (b) the same call repeated: every op and adapter", "<= 1.2 x torch.mul(out=)")
+    out.append(_worst(t, ratios("b", lambda r: True), 1.2, False, " x"))
+    t = Target("host (c) outputs allocated by zerokv, new T every call", "<= 2 x torch.mul(out=)")
+    out.append(_worst(t, ratios("c", lambda r: True), 2.0, False, " x"))
+    return out
 
 
 def targets_table(targets: list[Target]) -> str:
@@ -286,3 +525,106 @@ def targets_table(targets: list[Target]) -> str:
             for t in targets
         ],
     )
+
+
+# --- PNG ------------------------------------------------------------------------------------------
+
+NOT_PLOTTED = ("copy", "empty_launch", "host", "compile")
+
+
+def _variant(r: Row, ops_rows: list[Row]) -> str:
+    """What tells the lines of one implementation apart: layout, N, dtype where they vary."""
+    parts = []
+    for k in ("layout", "N"):
+        if k in r.params:
+            parts.append(f"{k}={r.params[k]}" if k == "N" else str(r.params[k]))
+    if len({x.dtype for x in ops_rows}) > 1:
+        parts.append(r.dtype)
+    return " ".join(parts)
+
+
+def write_png(rows: list[Row], path: Path, title: str) -> str | None:
+    """% of copy against bytes moved (µs where an op has no bandwidth), a panel per op, a line
+    per implementation; plus zerokv / best baseline for merge_state. A note when not written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no PNG (pip install matplotlib)"
+    ops = [op for op in dict.fromkeys(r.op for r in rows) if op not in NOT_PLOTTED]
+    ops = [op for op in ops if any(r.op == op and r.us is not None for r in rows)]
+    lines = merge_lines(rows)
+    panels = ops + (["merge_state zerokv / best"] if any(x["ratio"] for x in lines) else [])
+    if not panels:
+        return "nothing to plot: no PNG"
+    ncols = min(2, len(panels))
+    nrows = (len(panels) + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(7.5 * ncols, 5 * nrows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    styles = ["-", "--", ":", "-."]
+    for ax, panel in zip(axes.flat, panels, strict=False):
+        if panel == "merge_state zerokv / best":
+            for layout in dict.fromkeys(x["layout"] for x in lines):
+                pts = sorted(
+                    (x["zerokv"].bytes, x["ratio"]) for x in lines if x["layout"] == layout and x["ratio"]
+                )
+                ax.plot(
+                    [p[0] for p in pts],
+                    [p[1] for p in pts],
+                    "o",
+                    markersize=3,
+                    alpha=0.7,
+                    label=f"layout {layout}",
+                )
+            ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
+            ax.set_xscale("log")
+            ax.set_title(panel)
+            ax.set_xlabel("bytes moved (read + written)")
+            ax.set_ylabel("zerokv µs / best baseline µs (lower is better)")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+            continue
+        rs = [r for r in rows if r.op == panel and r.us is not None]
+        bandwidth = any(r.pct_copy is not None for r in rs)
+        series: dict[tuple[str, str], list[Row]] = {}
+        for r in rs:
+            if bandwidth and (r.pct_copy is None or r.bytes <= 0):
+                continue
+            series.setdefault((r.impl, _variant(r, rs)), []).append(r)
+        variants = list(dict.fromkeys(v for _, v in series))
+        impls = list(dict.fromkeys(i for i, _ in series))
+        colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+        for (impl, variant), pts in series.items():
+            pts = sorted(pts, key=lambda r: (r.bytes, r.T or 0))
+            xs = [r.bytes if r.bytes else (r.T or 0) for r in pts]
+            ys = [r.pct_copy if bandwidth else r.us for r in pts]
+            ax.plot(
+                xs, ys, marker="o", markersize=3, linewidth=0.8, alpha=0.8,
+                linestyle=styles[variants.index(variant) % len(styles)],
+                color=colors[impls.index(impl) % len(colors)], label=f"{impl} {variant}".strip(),
+            )  # fmt: skip
+        ax.set_xscale("log")
+        if bandwidth:
+            ax.axhline(100, color="grey", linewidth=0.8, linestyle=":")
+            ax.set_ylim(bottom=0)
+            ax.set_ylabel("% of copy bandwidth")
+        else:
+            ax.set_yscale("log")
+            ax.set_ylabel("µs per call")
+        written = panel in ("fixup_zero_kv_rows", "mask_empty_context")
+        ax.set_xlabel(
+            "bytes written"
+            if written
+            else ("bytes moved (read + written)" if any(r.bytes for r in rs) else "T")
+        )
+        ax.set_title(panel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.suptitle(textwrap.fill(title, 150), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

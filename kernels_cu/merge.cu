@@ -52,26 +52,61 @@ __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, flo
   return factor;
 }
 
-// Each warp merges a tile of `tile_rows` (<= 32; fewer when there are few rows, so that more
-// warps share them) consecutive rows (token t, head h) in two phases.
-//  1. Lane i takes row i of the tile: reads its LSEs (coalesced), computes its coefficients and
-//     the element offsets of its row; lane i alone later writes that row's LSE, so out_lse may
-//     alias s_a or s_b.
-//  2. The warp sweeps the tile's V data, `lanes` threads per row (a power of two <= 32) and
-//     32 / lanes rows per pass, U passes at a time so that 2 x U accesses per thread are in
-//     flight; coefficients and offsets come from the owning lane by shuffle.
-// The per-row math thus runs once per row on all 32 lanes, not on one lane per row group.
+// Row groups. Row (t, h) is merged by `lanes` threads of one warp (a power of two <= 32), each
+// taking packs p = lane, lane + lanes, ... of the row's D / VEC packs (VEC = 1: scalar path).
+// Rows are numbered along the LSE's unit-stride axis (t_inner: row = h * T + t, for an [H, T]
+// LSE buffer passed as .T; otherwise row = t * H + h), so the LSE accesses of a warp's row
+// groups are coalesced. Every thread issues its row's LSE loads and its first U packs of V
+// together (one round trip to memory for D <= U * lanes * VEC): the contract lets a kernel load
+// an empty input's V, since it lies inside the tensor; it never uses it (select, never x 0).
+// The group's first lane writes the row's LSE after a __syncwarp, once every lane of the group
+// has read the input LSEs, so out_lse may alias s_a or s_b; each V pack is read and written by
+// one thread, so out may alias v_a or v_b.
 constexpr int U = 4;
 
+// (row / n, row % n) with 32-bit division when the operands allow (the common case).
+__device__ __forceinline__ void split_index(i64 row, i64 n, i64 rows, i64& q, i64& r) {
+  if (rows <= 0xffffffffLL) {
+    const unsigned qq = (unsigned)row / (unsigned)n;
+    q = qq;
+    r = (unsigned)row - qq * (unsigned)n;
+  } else {
+    q = row / n;
+    r = row - q * n;
+  }
+}
+
+// The (t, h) of a row group's row.
+__device__ __forceinline__ void row_coords(i64 row, i64 T, i64 H, i64 rows, i64 t_inner, i64& t, i64& h) {
+  if (t_inner) {
+    split_index(row, T, rows, h, t);
+  } else {
+    split_index(row, H, rows, t, h);
+  }
+}
+
 template <typename Tin, typename Tout, int VEC>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, 5) merge_state_kernel(
+__device__ __forceinline__ void store_merged(Tout* dst, const Pack<Tin, VEC>& a, const Pack<Tin, VEC>& b, float ca,
+                                             float cb, float inv_scale) {
+  float acc[VEC];
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) {  // a zero coefficient selects that input away (it may be NaN)
+    const float xa = ca != 0.f ? ca * to_float(a.v[j]) : 0.f;
+    const float xb = cb != 0.f ? cb * to_float(b.v[j]) : 0.f;
+    acc[j] = xa + xb;
+  }
+  store_pack<Tout, VEC>(dst, convert_pack<Tout, VEC>(acc, inv_scale));
+}
+
+template <typename Tin, typename Tout, int VEC>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel) merge_state_kernel(
     const Tin* va, i64 va_st, i64 va_sh,
     const Tin* vb, i64 vb_st, i64 vb_sh,
     Tout* out, i64 out_st, i64 out_sh,
     const float* sa, i64 sa_st, i64 sa_sh,
     const float* sb, i64 sb_st, i64 sb_sh,
     float* olse, i64 ol_st, i64 ol_sh,
-    i64 T, i64 H, i64 D, i64 lanes, i64 tile_rows,
+    i64 T, i64 H, i64 D, i64 lanes, i64 t_inner,
     i64 prefix_rows,      // rows t >= prefix_rows take state b alone
     i64 suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
     const void* a_cu, const void* a_lens, i64 a_batch, i64 a_is64,  // requests with empty a
@@ -79,29 +114,43 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, 5) merge_state_ke
     const float* sinks,             // [H] attention-sink logits (null: none)
     float k, float inv_k,
     const float* out_scale) {       // fp8 output: out = merged / *out_scale (null: 1)
-  const int lane = threadIdx.x & 31;
   const i64 rows = T * H;
-  const i64 tile = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const i64 row = tile * tile_rows + lane;
+  const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const int shift = __ffs((int)lanes) - 1;
+  const i64 row = gtid >> shift;
+  const int col = threadIdx.x & ((int)lanes - 1);
+  const bool live = row < rows;  // no early return: the group's lanes meet at __syncwarp
+  const i64 packs = D / VEC;
 
-  // -- phase 1: this lane's row --
-  RowCoef c{0.f, 0.f, neg_inf()};
-  int live = lane < tile_rows && row < rows;
   i64 t = 0, h = 0;
+  float la = neg_inf(), lb = neg_inf();
+  Pack<Tin, VEC> a[U], b[U];
   if (live) {
-    split_row(row, H, rows, t, h);
-    if (row_mask != nullptr && row_mask[t] == 0) live = 0;
+    row_coords(row, T, H, rows, t_inner, t, h);
+    la = sa[t * sa_st + h * sa_sh];
+    lb = sb[t * sb_st + h * sb_sh];
+    const Tin* pa = va + t * va_st + h * va_sh;
+    const Tin* pb = vb + t * vb_st + h * vb_sh;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = col + (i64)u * lanes;
+      if (p < packs) {
+        a[u] = load_pack<Tin, VEC>(pa + p * VEC);
+        b[u] = load_pack<Tin, VEC>(pb + p * VEC);
+      }
+    }
   }
-  if (live) {
+
+  RowCoef c{0.f, 0.f, neg_inf()};
+  bool write = live && (row_mask == nullptr || row_mask[t] != 0);
+  if (write) {
     bool use_a = t < prefix_rows;
     if (use_a && a_cu != nullptr) use_a = !row_in_empty_request(a_cu, a_lens, (int)a_is64, a_batch, T, t);
-    const float lb = sb[t * sb_st + h * sb_sh];
-    const float la = use_a ? sa[t * sa_st + h * sa_sh] : neg_inf();
     if (t >= prefix_rows && suffix_verbatim) {
       c.cb = 1.f;
       c.lse = lb;
     } else {
-      c = combine2(la, lb, k, inv_k);
+      c = combine2(use_a ? la : neg_inf(), lb, k, inv_k);
       if (sinks != nullptr) {
         const float f = apply_sink(c.lse, sinks[h], k, inv_k);
         c.ca *= f;
@@ -110,142 +159,127 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, 5) merge_state_ke
     }
   }
 
-  // -- phase 2: the tile's V data --
-  const int per_pass = 32 / (int)lanes;
-  const int sub = lane / (int)lanes;
-  const int col = lane % (int)lanes;
   const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
-  const int passes = ((int)tile_rows + per_pass - 1) / per_pass;
-  for (int p0 = 0; p0 < passes; p0 += U) {
-    float ca[U], cb[U];
-    int tu[U], hu[U];  // T and H < 2^31 (checked on the host); tu < 0: no row to write
+  if (write) {
+    Tout* po = out + t * out_st + h * out_sh;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int src = (p0 + u) * per_pass + sub;  // the row's lane in the tile
-      ca[u] = __shfl_sync(0xffffffffu, c.ca, src & 31);
-      cb[u] = __shfl_sync(0xffffffffu, c.cb, src & 31);
-      tu[u] = __shfl_sync(0xffffffffu, live ? (int)t : -1, src & 31);
-      hu[u] = __shfl_sync(0xffffffffu, (int)h, src & 31);
-      if (p0 + u >= passes || src >= (int)tile_rows) tu[u] = -1;
+      const i64 p = col + (i64)u * lanes;
+      if (p < packs) store_merged<Tin, Tout, VEC>(po + p * VEC, a[u], b[u], c.ca, c.cb, inv_scale);
     }
-    for (i64 d = (i64)col * VEC; d < D; d += lanes * VEC) {
-      Pack<Tin, VEC> a[U], b[U];
+    // wide rows (D > U * lanes * VEC): the rest, U packs per input in flight
+    const Tin* pa = va + t * va_st + h * va_sh;
+    const Tin* pb = vb + t * vb_st + h * vb_sh;
+    for (i64 p0 = col + (i64)U * lanes; p0 < packs; p0 += (i64)U * lanes) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {  // every load first: 2 x U in flight
-        if (tu[u] >= 0 && ca[u] != 0.f) a[u] = load_pack<Tin, VEC>(va + tu[u] * va_st + hu[u] * va_sh + d);
-        if (tu[u] >= 0 && cb[u] != 0.f) b[u] = load_pack<Tin, VEC>(vb + tu[u] * vb_st + hu[u] * vb_sh + d);
+      for (int u = 0; u < U; ++u) {
+        const i64 p = p0 + (i64)u * lanes;
+        if (p < packs) {
+          a[u] = load_pack<Tin, VEC>(pa + p * VEC);
+          b[u] = load_pack<Tin, VEC>(pb + p * VEC);
+        }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
-        if (tu[u] < 0) continue;
-        float acc[VEC];
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) {
-          acc[j] = 0.f;
-          if (ca[u] != 0.f) acc[j] += ca[u] * to_float(a[u].v[j]);
-          if (cb[u] != 0.f) acc[j] += cb[u] * to_float(b[u].v[j]);
-        }
-        const Pack<Tout, VEC> o = convert_pack<Tout, VEC>(acc, inv_scale);
-        store_pack<Tout, VEC>(out + tu[u] * out_st + hu[u] * out_sh + d, o);
+        const i64 p = p0 + (i64)u * lanes;
+        if (p < packs) store_merged<Tin, Tout, VEC>(po + p * VEC, a[u], b[u], c.ca, c.cb, inv_scale);
       }
     }
   }
-  if (live && olse != nullptr) olse[t * ol_st + h * ol_sh] = c.lse;
+  __syncwarp();  // every lane of the group has read s_a / s_b before the LSE is written
+  if (write && col == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = c.lse;
 }
 
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both
-// [N, T, H, D] and [T, N, H, D] layouts work. Same warp tiles as merge_state_kernel: lane i
-// reduces row i's N LSEs (max, then the sum of weights) and writes its LSE; the warp then sweeps
-// the tile's V, each lane recomputing an input's weight from its LSE (an L1 hit) and skipping
-// the V of empty inputs and of inputs whose weight underflows to 0.
+// [N, T, H, D] and [T, N, H, D] layouts work. The same row groups as merge_state_kernel: each
+// lane reduces its row's N LSEs (the group's lanes read the same addresses: one access), then
+// sweeps its packs over the inputs, U packs of NU inputs in flight, skipping the V of empty
+// inputs and of inputs whose weight underflows to 0. The outputs must not overlap the inputs.
+constexpr int NU = 4;
+
 template <typename Tin, typename Tout, int VEC>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_kernel(
     const Tin* __restrict__ v, i64 v_sn, i64 v_st, i64 v_sh,
     const float* __restrict__ s, i64 s_sn, i64 s_st, i64 s_sh,
     Tout* __restrict__ out, i64 out_st, i64 out_sh,
     float* __restrict__ olse, i64 ol_st, i64 ol_sh,
-    i64 N, i64 T, i64 H, i64 D, i64 lanes, i64 tile_rows, const float* sinks, float k, float inv_k,
+    i64 N, i64 T, i64 H, i64 D, i64 lanes, i64 t_inner, const float* sinks, float k, float inv_k,
     const float* out_scale) {
-  const int lane = threadIdx.x & 31;
   const i64 rows = T * H;
-  const i64 tile = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const i64 row = tile * tile_rows + lane;
+  const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const int shift = __ffs((int)lanes) - 1;
+  const i64 row = gtid >> shift;
+  const int col = threadIdx.x & ((int)lanes - 1);
+  if (row >= rows) return;  // no LSE is read and written by different lanes: no barrier needed
+  const i64 packs = D / VEC;
+  i64 t, h;
+  row_coords(row, T, H, rows, t_inner, t, h);
 
-  // -- phase 1: this lane's row: m = max of the non-empty LSEs, scale = 1 / sum of weights --
-  const int live = lane < tile_rows && row < rows;
-  i64 t = 0, h = 0;
-  float m = neg_inf(), scale = 0.f;
-  if (live) {
-    split_row(row, H, rows, t, h);
-    const float* ps = s + t * s_st + h * s_sh;
-    bool nan = false;
+  // m = max of the non-empty LSEs, scale = 1 / sum of weights
+  const float* ps = s + t * s_st + h * s_sh;
+  float m = neg_inf();
+  bool nan = false;
+  for (i64 n = 0; n < N; ++n) {
+    const float x = ps[n * s_sn];
+    nan |= isnan(x);
+    if (!is_empty_lse(x)) m = fmaxf(m, x);
+  }
+  float sum = 0.f, scale = 0.f;
+  if (!nan && m != neg_inf()) {
     for (i64 n = 0; n < N; ++n) {
       const float x = ps[n * s_sn];
-      nan |= isnan(x);
-      if (!is_empty_lse(x)) m = fmaxf(m, x);
+      if (!is_empty_lse(x)) sum += fast_exp2((x - m) * k);
     }
-    float sum = 0.f;
-    if (!nan && m != neg_inf()) {
-      for (i64 n = 0; n < N; ++n) {
-        const float x = ps[n * s_sn];
-        if (!is_empty_lse(x)) sum += fast_exp2((x - m) * k);
-      }
-      scale = 1.f / sum;
-    }
-    float row_lse = nan ? quiet_nan() : (sum > 0.f ? m + fast_log2(sum) * inv_k : neg_inf());
-    if (sinks != nullptr) scale *= apply_sink(row_lse, sinks[h], k, inv_k);
-    if (olse != nullptr) olse[t * ol_st + h * ol_sh] = row_lse;
-    if (nan) {  // every weight becomes NaN: the row shows the bug
-      m = 0.f;
-      scale = quiet_nan();
-    }
+    scale = 1.f / sum;
+  }
+  float row_lse = nan ? quiet_nan() : (sum > 0.f ? m + fast_log2(sum) * inv_k : neg_inf());
+  if (sinks != nullptr) scale *= apply_sink(row_lse, sinks[h], k, inv_k);
+  if (col == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = row_lse;
+  if (nan) {  // every weight becomes NaN: the row shows the bug
+    m = 0.f;
+    scale = quiet_nan();
   }
 
-  // -- phase 2: the tile's V data, U rows per pass in flight --
-  const int per_pass = 32 / (int)lanes;
-  const int sub = lane / (int)lanes;
-  const int col = lane % (int)lanes;
   const float inv_out = out_scale != nullptr ? 1.f / *out_scale : 1.f;
-  const int passes = ((int)tile_rows + per_pass - 1) / per_pass;
-  for (int p0 = 0; p0 < passes; p0 += U) {
-    float mu[U], su[U];
-    int tu[U], hu[U];
+  const Tin* pv = v + t * v_st + h * v_sh;
+  Tout* po = out + t * out_st + h * out_sh;
+  for (i64 p0 = col; p0 < packs; p0 += (i64)U * lanes) {
+    float acc[U][VEC];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int src = (p0 + u) * per_pass + sub;  // the row's lane in the tile
-      mu[u] = __shfl_sync(0xffffffffu, m, src & 31);
-      su[u] = __shfl_sync(0xffffffffu, scale, src & 31);
-      tu[u] = __shfl_sync(0xffffffffu, live ? (int)t : -1, src & 31);
-      hu[u] = __shfl_sync(0xffffffffu, (int)h, src & 31);
-      if (p0 + u >= passes || src >= (int)tile_rows) tu[u] = -1;
-    }
-    for (i64 d = (i64)col * VEC; d < D; d += lanes * VEC) {
-      float acc[U][VEC];
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int j = 0; j < VEC; ++j) acc[u][j] = 0.f;
+    for (i64 n0 = 0; n0 < N; n0 += NU) {
+      float w[NU];
+      Pack<Tin, VEC> x[NU][U];
 #pragma unroll
-        for (int j = 0; j < VEC; ++j) acc[u][j] = 0.f;
-      for (i64 n = 0; n < N; ++n) {
-        Pack<Tin, VEC> x[U];
-        float w[U];
+      for (int q = 0; q < NU; ++q) {  // every load of these NU inputs first
+        w[q] = 0.f;
+        const i64 n = n0 + q;
+        if (n >= N || scale == 0.f) continue;
+        const float l = ps[n * s_sn];
+        if (is_empty_lse(l)) continue;
+        w[q] = fast_exp2((l - m) * k) * scale;
+        if (w[q] == 0.f) continue;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {  // every load of this input first: U in flight
-          w[u] = 0.f;
-          if (tu[u] < 0 || su[u] == 0.f) continue;
-          const float l = s[n * s_sn + tu[u] * s_st + hu[u] * s_sh];
-          if (is_empty_lse(l)) continue;
-          w[u] = fast_exp2((l - mu[u]) * k) * su[u];
-          if (w[u] != 0.f) x[u] = load_pack<Tin, VEC>(v + n * v_sn + tu[u] * v_st + hu[u] * v_sh + d);
+        for (int u = 0; u < U; ++u) {
+          const i64 p = p0 + (i64)u * lanes;
+          if (p < packs) x[q][u] = load_pack<Tin, VEC>(pv + n * v_sn + p * VEC);
         }
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-          if (w[u] != 0.f)
-#pragma unroll
-            for (int j = 0; j < VEC; ++j) acc[u][j] += w[u] * to_float(x[u].v[j]);
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (tu[u] >= 0) store_pack<Tout, VEC>(out + tu[u] * out_st + hu[u] * out_sh + d, convert_pack<Tout, VEC>(acc[u], inv_out));
+      for (int q = 0; q < NU; ++q) {
+        if (w[q] == 0.f) continue;
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int j = 0; j < VEC; ++j) acc[u][j] += w[q] * to_float(x[q][u].v[j]);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const i64 p = p0 + (i64)u * lanes;
+      if (p < packs) store_pack<Tout, VEC>(po + p * VEC, convert_pack<Tout, VEC>(acc[u], inv_out));
     }
   }
 }

@@ -160,8 +160,8 @@ def test_overlap_agrees_with_an_exhaustive_count(seed):
         size = int(rng.choice([1, 2, 4]))
         n = [int(x) for x in rng.integers(1, 5, 2)]
         s = [int(x) * int(rng.choice([-1, 1])) for x in rng.integers(1, 9, 2)]
-        lo = sum(min(0, (k - 1) * st) for k, st in zip(n, s)) * size
-        hi = (sum(max(0, (k - 1) * st) for k, st in zip(n, s)) + 1) * size
+        lo = sum(min(0, (k - 1) * st) for k, st in zip(n, s, strict=True)) * size
+        hi = (sum(max(0, (k - 1) * st) for k, st in zip(n, s, strict=True)) + 1) * size
         start = int(rng.integers(-lo, 256 - hi + 1))
         return _fake(buf.ctypes.data + start, n, s, {1: "uint8", 2: "float16", 4: "float32"}[size], -1)
 

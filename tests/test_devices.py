@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import zerokv
-from zerokv import _checks, _runtime, _tensors
+from zerokv import _checks, _kernels, _plans, _runtime, _tensors
 
 
 class _OnDevice:
@@ -73,80 +73,84 @@ def test_fixup_offsets_on_another_device_are_rejected(monkeypatch):
         zerokv.fixup_zero_kv_rows(out, lse, kv, cu)
 
 
-class _FakeCupy:
-    """What Launch uses of CuPy: the current device and a device context manager."""
-
-    def __init__(self, current: int) -> None:
-        self.current = current
-        self.entered: list[int] = []
-        runtime = types.SimpleNamespace(getDevice=lambda: self.current, free=lambda ptr: None)
-
-        @contextlib.contextmanager
-        def device(i):
-            self.entered.append(i)
-            before, self.current = self.current, i
-            try:
-                yield
-            finally:
-                self.current = before
-
-        self.cuda = types.SimpleNamespace(runtime=runtime, Device=device)
+class _FakeError(Exception):
+    def __init__(self, status: int) -> None:
+        super().__init__(f"FAKE_ERROR ({status})")
+        self.status = status
 
 
 class _FakeDriver:
-    def __init__(self, cupy: _FakeCupy, results: list[int]) -> None:
-        self.cupy, self.results, self.launched_on = cupy, results, []
-        self.get_device = cupy.cuda.runtime.getDevice
+    """What a Launcher uses of the driver: the current device, a device context manager, the
+    launch call (its results scripted: 0 for success, an error status otherwise)."""
+
+    def __init__(self, current: int, results: list[int]) -> None:
+        self.current, self.results = current, results
+        self.entered: list[int] = []
+        self.launched_on: list[int] = []
+        self.error = _FakeError
+        self.cupy = types.SimpleNamespace(
+            cuda=types.SimpleNamespace(runtime=types.SimpleNamespace(free=lambda p: None))
+        )
+
+    def get_device(self) -> int:
+        return self.current
+
+    @contextlib.contextmanager
+    def Device(self, i):  # noqa: N802  (CuPy's name)
+        self.entered.append(i)
+        before, self.current = self.current, i
+        try:
+            yield
+        finally:
+            self.current = before
 
     def launch(self, *args):
-        self.launched_on.append(self.cupy.current)
-        return self.results.pop(0) if self.results else 0
-
-    def error_name(self, code):
-        return "FAKE_ERROR"
-
-
-def _launch(monkeypatch, device: int, current: int, results: list[int]):
-    cupy = _FakeCupy(current)
-    monkeypatch.setitem(__import__("sys").modules, "cupy", cupy)
-    prepared = _runtime.Launch.__new__(_runtime.Launch)
-    prepared.expr, prepared.device, prepared.extra = "k<float>", device, None
-    prepared.head = ()
-    prepared.driver = _FakeDriver(cupy, results)
-    return prepared, cupy
+        self.launched_on.append(self.current)
+        status = self.results.pop(0) if self.results else 0
+        if status:
+            raise _FakeError(status)
 
 
-def test_launch_on_the_current_device_does_not_switch(monkeypatch):
-    prepared, cupy = _launch(monkeypatch, device=0, current=0, results=[])
-    prepared(123)
-    assert cupy.entered == [] and prepared.driver.launched_on == [0]
+def _launcher(device: int, current: int, results: list[int]) -> _runtime.Launcher:
+    launcher = _runtime.Launcher.__new__(_runtime.Launcher)
+    launcher.expr, launcher.device, launcher.handle, launcher.block = "k<float>", device, 1, 128
+    launcher.pack_into, launcher.nbytes = (lambda buf, offset, *args: None), 8
+    launcher.driver = _FakeDriver(current, results)
+    return launcher
 
 
-def test_launch_for_another_device_runs_in_its_context_and_restores_the_current_one(monkeypatch):
-    prepared, cupy = _launch(monkeypatch, device=1, current=0, results=[])
-    prepared(123)
-    assert cupy.entered == [1] and prepared.driver.launched_on == [1] and cupy.current == 0
+def test_launch_on_the_current_device_does_not_switch():
+    launcher = _launcher(device=0, current=0, results=[])
+    launcher(1, 123)
+    assert launcher.driver.entered == [] and launcher.driver.launched_on == [0]
 
 
-def test_a_thread_without_a_context_gets_the_devices_primary_context(monkeypatch):
-    prepared, cupy = _launch(monkeypatch, device=0, current=0, results=[201, 0])  # INVALID_CONTEXT
-    prepared(123)
-    assert cupy.entered == [0] and prepared.driver.launched_on == [0, 0]
+def test_launch_for_another_device_runs_in_its_context_and_restores_the_current_one():
+    launcher = _launcher(device=1, current=0, results=[])
+    launcher(1, 123)
+    d = launcher.driver
+    assert d.entered == [1] and d.launched_on == [1] and d.current == 0
 
 
-def test_a_failed_launch_raises_with_the_driver_error(monkeypatch):
-    prepared, _ = _launch(monkeypatch, device=0, current=0, results=[700])
-    with pytest.raises(RuntimeError, match="FAKE_ERROR"):
-        prepared(123)
+def test_a_thread_without_a_context_gets_the_devices_primary_context():
+    launcher = _launcher(device=0, current=0, results=[201, 0])  # CUDA_ERROR_INVALID_CONTEXT
+    launcher(1, 123)
+    assert launcher.driver.entered == [0] and launcher.driver.launched_on == [0, 0]
+
+
+def test_a_failed_launch_raises_with_the_driver_error():
+    launcher = _launcher(device=0, current=0, results=[700])
+    with pytest.raises(RuntimeError, match=r"launching k<float> failed: FAKE_ERROR \(700\)"):
+        launcher(1, 123)
 
 
 def test_functions_are_built_once_per_device_under_concurrent_first_calls(monkeypatch):
     built: list[tuple] = []
     lock = threading.Lock()
 
-    def fake_build(stem, expr, device):
+    def fake_build(code, expr, device):
         with lock:
-            built.append((stem, expr, device))
+            built.append((expr, device))
         return _runtime.Loaded(None, 1000 + device)
 
     monkeypatch.setattr(_runtime, "_build", fake_build)
@@ -155,26 +159,25 @@ def test_functions_are_built_once_per_device_under_concurrent_first_calls(monkey
 
     def worker(i):
         barrier.wait()
-        assert _runtime.function("merge", "k<x>", i % 2).ptr == 1000 + i % 2
+        assert _runtime.function(_kernels.MERGE_STATE, "k<x>", i % 2).ptr == 1000 + i % 2
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(built) == [("merge", "k<x>", 0), ("merge", "k<x>", 1)]
+    assert sorted(built) == [("k<x>", 0), ("k<x>", 1)]
 
 
 def test_torch_stream_is_read_for_the_tensors_device(monkeypatch):
     seen = []
     fake_c = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda d: seen.append(d) or 77)
     monkeypatch.setattr(torch, "_C", fake_c)
-    t = _tensors.Tensor(None, 0, (1,), (1,), "float32", 1, True)
-    assert _runtime.stream_for(t) == 77 and seen == [1]
+    assert _runtime.torch_stream(1) == 77 and seen == [1]
 
 
-def test_clear_cache_also_forgets_remembered_launches(monkeypatch):
-    monkeypatch.setattr(_runtime, "launches", _runtime.LaunchCache())
-    _runtime.launches.remember(("k",), object())
-    _runtime.clear_cache()
-    assert not _runtime.launches
+def test_clear_cache_forgets_plans_and_functions(monkeypatch):
+    monkeypatch.setattr(_plans, "_plans", {("k",): object()})
+    monkeypatch.setattr(_runtime, "_functions", {("merge", "k<x>", 0): object()})
+    _plans.clear_cache()
+    assert not _plans._plans and not _runtime._functions

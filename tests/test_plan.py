@@ -95,7 +95,13 @@ def test_lengths_off_the_cpu_are_rejected():
     "q, ctx, budget, exc, needle",
     [
         (np.array([2**63, 1], np.uint64), [3, 4], 8, ValueError, "query_lens: length 9223372036854775808"),
-        ([1, 2], np.array([1, 2**64 - 1], np.uint64), 8, ValueError, "context_lens: length 18446744073709551615"),
+        (
+            [1, 2],
+            np.array([1, 2**64 - 1], np.uint64),
+            8,
+            ValueError,
+            "context_lens: length 18446744073709551615",
+        ),
         ([1], [2**31], 8, ValueError, "context_lens: length 2147483648 at index 0 exceeds int32"),
         ([2**31 - 1, 1], [1, 1], 8, ValueError, "query_lens: the total 2147483648 exceeds int32"),
         ([1, 1], [2**31 - 1, 2**31 - 1], 2**32, ValueError, "chunk_tokens: a chunk of 4294967294"),
@@ -120,7 +126,9 @@ def test_bad_values_are_refused_before_casting(q, ctx, budget, exc, needle):
         zerokv.plan_context_chunks(q, ctx, budget)
 
 
-@pytest.mark.parametrize("align, exc", [(0, ValueError), (-4, ValueError), (1.0, TypeError), (2**64, ValueError)])
+@pytest.mark.parametrize(
+    "align, exc", [(0, ValueError), (-4, ValueError), (1.0, TypeError), (2**64, ValueError)]
+)
 def test_bad_align(align, exc):
     with pytest.raises(exc, match="align"):
         zerokv.plan_context_chunks([1], [2], 8, align=align)

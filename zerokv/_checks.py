@@ -75,7 +75,11 @@ def lse_base(value: Any, arg: str = "lse_base") -> str:
     """'e' (natural log) or '2' (base-2 LSE, as FlashInfer / trtllm-gen produce)."""
     if isinstance(value, str) and value in ("e", "E", "2"):
         return "2" if value == "2" else "e"
-    if not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating)) and value == 2:
+    if (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float, np.integer, np.floating))
+        and value == 2
+    ):
         return "2"
     raise ValueError(f"{arg}: expected 'e' or 2, got {value!r}")
 
@@ -130,7 +134,7 @@ def extent(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
     """The byte range ``[lo, hi)`` that a tensor's elements cover (strides in elements, any
     sign); ``(ptr, ptr)``, empty, for a zero-size tensor."""
     lo = hi = 0
-    for n, s in zip(shape, strides):
+    for n, s in zip(shape, strides, strict=True):
         if n == 0:
             return ptr, ptr
         d = (n - 1) * s
@@ -237,7 +241,7 @@ def _spans(tensors: Mapping[str, Tensor | None]) -> list[tuple[str, Tensor, int,
         if t is None or 0 in t.shape:
             continue
         lo = hi = 0
-        for n, s in zip(t.shape, t.strides):
+        for n, s in zip(t.shape, t.strides, strict=True):
             if s >= 0:
                 hi += (n - 1) * s
             else:
@@ -285,13 +289,13 @@ def writable(t: Tensor, arg: str) -> None:
 def _no_shared_elements(t: Tensor, arg: str) -> None:
     """Each element of an output at its own address: no stride 0 over a dimension longer than
     one, and (conservatively) no dimension stepping inside the span of the finer ones."""
-    for d, (n, s) in enumerate(zip(t.shape, t.strides)):
+    for d, (n, s) in enumerate(zip(t.shape, t.strides, strict=True)):
         if n > 1 and s == 0:
             raise ValueError(
                 f"{arg}: dimension {d} has stride 0 over {n} elements (an expanded view); "
                 "an output needs an address per element"
             )
-    dims = sorted((abs(s), n) for n, s in zip(t.shape, t.strides) if n > 1)
+    dims = sorted((abs(s), n) for n, s in zip(t.shape, t.strides, strict=True) if n > 1)
     span = 0  # reach of the finer dimensions, in elements
     for s, n in dims:
         if s <= span:

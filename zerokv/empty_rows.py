@@ -135,7 +135,7 @@ class _EmptyRowsPlan:
             _validate(call, rule, names)
         T, H, D = shape
         B = cu[1][0] - 1
-        if B == 0 or T * H == 0 or D == 0:
+        if B == 0 or T * H == 0:
             return
         flat = int(o[2][1] == D and o[2][0] == H * D)
         os_, ss = o[2], s[2]

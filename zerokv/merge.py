@@ -62,10 +62,7 @@ def merge_state(
 
         out, lse = zerokv.merge_state(v_prefix, lse_prefix, v_suffix, lse_suffix)
     """
-    return merge_two(
-        v_a, s_a, v_b, s_b, out, out_lse, lse_base=lse_base, prefix_rows=prefix_rows,
-        a_empty=a_empty, out_scale=out_scale, sinks=sinks,
-    )  # fmt: skip
+    return _merge2(v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks)
 
 
 def merge_two(
@@ -93,19 +90,25 @@ def merge_two(
     ``allocate_lse``: allocate ``out_lse`` when it is None (default: when ``out`` is None).
     ``names``: how the caller calls the arguments, for error messages (the adapters' names).
     """
-    if a_empty is None:
-        cu = lens = None
-    elif type(a_empty) is tuple and len(a_empty) == 2:
-        cu, lens = a_empty
-    else:
-        cu, lens = _checks.pair(a_empty, _name(names, "a_empty"))
+    return _merge2(
+        v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks,
+        row_mask, suffix_verbatim, allocate_lse, names,
+    )  # fmt: skip
+
+
+def _merge2(
+    v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks,
+    row_mask=None, suffix_verbatim=False, allocate_lse=None, names=None,
+):  # fmt: skip
     if allocate_lse is None:
         allocate_lse = out is None
-    call = Call(
-        "merge_state",
-        (v_a, s_a, v_b, s_b, out, out_lse, cu, lens, row_mask, out_scale, sinks),
-        (lse_base, prefix_rows is None, suffix_verbatim, allocate_lse),
-    )
+    scalars = (lse_base, prefix_rows is None, suffix_verbatim, allocate_lse)
+    if a_empty is None and out_scale is None and sinks is None and row_mask is None:
+        objs = (v_a, s_a, v_b, s_b, out, out_lse)  # the common call: no optional tensor to read
+    else:
+        cu, lens = (None, None) if a_empty is None else _checks.pair(a_empty, _name(names, "a_empty"))
+        objs = (v_a, s_a, v_b, s_b, out, out_lse, cu, lens, row_mask, out_scale, sinks)
+    call = Call("merge_state", objs, scalars)
     if call.device < 0:
         return _host.merge_two(call, lambda: _validate_two(call, prefix_rows, names), prefix_rows)
     plan = _plans.lookup(call.key(_aligned_two(call)), lambda: _MergeTwoPlan(call, prefix_rows, names))
@@ -123,6 +126,10 @@ def _validate_two(call: Call, prefix_rows: Any, names: dict[str, str] | None) ->
     """Every check of a two-way merge, on the host; returns the validated facts."""
     n = {a: _name(names, a) for a in (*_NAMES2, "a_empty", "prefix_rows", "out_scale", "sinks", "mask")}
     t = call.views(("v_a", "s_a", "v_b", "s_b", "out", "out_lse", "cu", "lens", "mask", "out_scale", "sinks"))
+    t = {
+        k: t.get(k)
+        for k in ("v_a", "s_a", "v_b", "s_b", "out", "out_lse", "cu", "lens", "mask", "out_scale", "sinks")
+    }
     va = _checks.tensor_view(t["v_a"], n["v_a"], 3, _dtypes.V_IN)
     T, H, D = va.shape
     vb = _checks.tensor_view(t["v_b"], n["v_b"], 3, _dtypes.V_IN)
@@ -208,17 +215,22 @@ class _MergeTwoPlan:
         vec = 16 // _dtypes.itemsize(va.dtype) if call.aligned else 1
         targs = (_dtypes.ctype(va.dtype), _dtypes.ctype(out_dtype), vec)
         self.launch = _plans.launcher(_kernels.MERGE_STATE, targs, v["device"])
+        self.block = _kernels.MERGE_STATE.block
         self.vec = vec
         self.in_dtype, self.out_dtype = va.dtype, out_dtype
         self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
         self.verbatim = int(bool(call.scalars[2]))
         self.allocate_lse = call.scalars[3]
         self.itemsizes = [None if d is None else _dtypes.ITEMSIZE.get(d) for d in call.dtypes]
-        self.a_is64 = int(call.dtypes[6] == "int64")
+        self.a_is64 = int(len(call.dtypes) > 6 and call.dtypes[6] == "int64")
 
     def __call__(self, call: Call, prefix_rows: Any, names: dict[str, str] | None) -> tuple[Any, Any]:
         f = call.facts
-        va, sa, vb, sb, o, ol, cu, lens, mask, scale, sinks = f
+        if len(f) == 6:
+            va, sa, vb, sb, o, ol = f
+            cu = lens = mask = scale = sinks = None
+        else:
+            va, sa, vb, sb, o, ol, cu, lens, mask, scale, sinks = f
         ok = _fast_checks_two(f, prefix_rows) and call.disjoint_outputs(self.itemsizes, _OUTS_TWO)
         if not ok:  # something changed since the plan was built: the full checks say what
             _validate_two(call, prefix_rows, names)
@@ -231,18 +243,17 @@ class _MergeTwoPlan:
         if ol is None and self.allocate_lse:
             out_lse = call.new((T, H), "float32")
             ol = read(out_lse)
-        if T * H == 0 or D == 0:
+        if T * H == 0:
             return out, out_lse
-        rows = T * H
-        tile, grid = _tiles(rows, _kernels.MERGE_STATE.block)
+        lanes = _lanes(D, self.vec)
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
         self.launch(
-            grid, call.stream(),
+            -(-T * H * lanes // self.block), call.stream(),
             va[0], va_s[0], va_s[1], vb[0], vb_s[0], vb_s[1], o[0], o_s[0], o_s[1],
             sa[0], sa_s[0], sa_s[1], sb[0], sb_s[0], sb_s[1], ol_ptr, ol_st, ol_sh,
-            T, H, D, _lanes(D, self.vec), tile, prefix, self.verbatim,
+            T, H, D, lanes, int(sa_s[0] == 1 and sa_s[1] != 1), prefix, self.verbatim,
             cu[0] if cu else 0, lens[0] if lens else 0, cu[1][0] - 1 if cu else 0, self.a_is64,
             mask[0] if mask else 0, sinks[0] if sinks else 0, self.k, self.inv_k,
             scale[0] if scale else 0,
@@ -256,7 +267,8 @@ _OUTS_TWO = ((4, (0, 2)), (5, (1, 3)))
 
 def _fast_checks_two(f: list, prefix_rows: Any) -> bool:
     """What may change between calls of one signature, checked without building messages."""
-    va, sa, vb, sb, o, ol, cu, lens, mask, scale, sinks = f
+    va, sa, vb, sb, o, ol = f[:6]
+    cu, lens, mask, scale, sinks = f[6:] if len(f) > 6 else (None,) * 5
     shape = va[1]
     if len(shape) != 3 or vb[1] != shape or sa[1] != shape[:2] or sb[1] != shape[:2]:
         return False
@@ -380,6 +392,7 @@ class _MergeNPlan:
         vec = 16 // _dtypes.itemsize(vt.dtype) if call.aligned else 1
         targs = (_dtypes.ctype(vt.dtype), _dtypes.ctype(out_dtype), vec)
         self.launch = _plans.launcher(_kernels.MERGE_STATES, targs, v["device"])
+        self.block = _kernels.MERGE_STATES.block
         self.vec = vec
         self.in_dtype, self.out_dtype = vt.dtype, out_dtype
         self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
@@ -399,15 +412,15 @@ class _MergeNPlan:
         if ol is None and self.allocate:
             out_lse = call.new((T, H), "float32")
             ol = read(out_lse)
-        if T * H == 0 or D == 0:
+        if T * H == 0:
             return out, out_lse
-        tile, grid = _tiles(T * H, _kernels.MERGE_STATES.block)
+        lanes = _lanes(D, self.vec)
         vs, ss, os_ = v[2], s[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
         self.launch(
-            grid, call.stream(),
+            -(-T * H * lanes // self.block), call.stream(),
             v[0], vs[0], vs[1], vs[2], s[0], ss[0], ss[1], ss[2], o[0], os_[0], os_[1],
-            ol_ptr, ol_st, ol_sh, N, T, H, D, _lanes(D, self.vec), tile,
+            ol_ptr, ol_st, ol_sh, N, T, H, D, lanes, int(ss[1] == 1 and ss[2] != 1),
             sinks[0] if sinks else 0, self.k, self.inv_k, scale[0] if scale else 0,
         )  # fmt: skip
         return out, out_lse
@@ -439,20 +452,11 @@ _LOG2E = 1.4426950408889634
 _BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
 
 
-def _tiles(rows: int, block: int) -> tuple[int, int]:
-    """Rows per warp tile and the number of blocks: 32-row tiles once there are enough rows to
-    keep every SM busy, smaller tiles for small batches, so that their latency is one tile's,
-    not 32 rows one after another."""
-    tile = 1 << min(5, max(0, (rows // 2048).bit_length() - 1)) if rows >= 2048 else 1
-    tiles = -(-rows // tile)
-    warps = block // 32
-    return tile, -(-tiles // warps)
-
-
 def _lanes(D: int, vec: int) -> int:
-    """Threads per row: the accesses a row needs, rounded up to a power of two, at most 32."""
-    accesses = (D + vec - 1) // vec
-    return min(32, 1 << max(0, accesses - 1).bit_length())
+    """Threads per row: the row's packs, rounded up to a power of two, at most 32 (a row group
+    stays within one warp)."""
+    packs = D // vec
+    return min(32, 1 << max(0, packs - 1).bit_length())
 
 
 _ = _runtime  # the plans launch through the runtime

@@ -1,16 +1,44 @@
 """The self-check behind ``python -m zerokv``: every op against the float64 reference.
 
-On a GPU: compile, run each op on random data, and print op, dtype, shape, max error, µs and
-GB/s. Without one: say so, compile every kernel for sm_90 through NVRTC, run the CPU path.
+Always: each op on the CPU path (numpy in, the reference semantics out). On a GPU: each op per
+dtype on random data, with µs and GB/s, and an fp8-output merge. Without one: every kernel
+instantiation compiled through NVRTC for sm_80 and sm_90 (the two fp8 conversions), the result
+cached so that a second run compiles nothing.
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from importlib import metadata
+from typing import NamedTuple
 
 import numpy as np
 
-from . import _offline, reference
+from . import __version__, reference
+
+OFFLINE_ARCHS = ("sm_80", "sm_90")  # software and hardware fp8 conversion
+
+
+class Row(NamedTuple):
+    op: str
+    dtype: str
+    shape: str
+    err: float
+    tol: float
+    us: float | None = None
+    gbps: float | None = None
+
+    def ok(self) -> bool:
+        return self.err <= self.tol  # NaN (never <=) fails too
+
+    def __str__(self) -> str:
+        us = f"{self.us:9.1f}" if self.us is not None else "        -"
+        bw = f"{self.gbps:8.0f}" if self.gbps is not None else "       -"
+        return f"{self.op:22s} {self.dtype:15s} {self.shape:16s} {self.err:10.2e} {self.tol:8.0e} {us} {bw}"
+
+
+HEADER = f"{'op':22s} {'dtype':15s} {'shape':16s} {'max error':>10s} {'limit':>8s} {'µs':>9s} {'GB/s':>8s}"
 
 
 def gpu_available() -> bool:
@@ -22,43 +50,28 @@ def gpu_available() -> bool:
         return False
 
 
-def _row(op, dtype, shape, err, us=None, gbps=None) -> str:
-    us_s = f"{us:9.1f}" if us is not None else "        -"
-    bw_s = f"{gbps:8.0f}" if gbps is not None else "       -"
-    return f"{op:22s} {dtype:9s} {shape:22s} {err:10.2e} {us_s} {bw_s}"
+def _dist(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
 
 
-HEADER = f"{'op':22s} {'dtype':9s} {'shape':22s} {'max error':>10s} {'µs':>9s} {'GB/s':>8s}"
-
-
-def _cases(rng: np.random.Generator, T: int, H: int, D: int):
-    v = rng.standard_normal((2, T, H, D)).astype(np.float32)
-    s = (rng.standard_normal((2, T, H)) * 3).astype(np.float32)
-    s[0, :: max(1, T // 7)] = -np.inf  # some empty prefix rows
-    s[1, 3 % T] = np.inf  # FA2's empty marker
-    v[0, :: max(1, T // 7)] = np.nan  # garbage that must not be read
-    kv_lens = np.array([0, 5, 0, 2], dtype=np.int32)
-    cu_q = np.array([0, T // 4, T // 2, 3 * T // 4, T], dtype=np.int32)
-    return v, s, kv_lens, cu_q
-
-
-def run_cpu(T: int = 257, H: int = 4, D: int = 72) -> list[str]:
-    import zerokv
-
-    rng = np.random.default_rng(0)
-    v, s, kv_lens, cu_q = _cases(rng, T, H, D)
-    rows = []
-    out, lse = zerokv.merge_state(v[0], s[0], v[1], s[1])
-    ro, rl = reference.merge_state(v[0], s[0], v[1], s[1])
-    rows.append(_row("merge_state", "float32", f"{T}x{H}x{D}", _err(out, ro, lse, rl)))
-    out, lse = zerokv.merge_states(v, s)
-    ro, rl = reference.merge_states(v, s)
-    rows.append(_row("merge_states", "float32", f"2x{T}x{H}x{D}", _err(out, ro, lse, rl)))
-    o, l2 = v[1].copy(), s[1].copy()
-    zerokv.fixup_zero_kv_rows(o, l2, kv_lens, cu_q)
-    ro, rl = reference.fixup_zero_kv_rows(v[1], s[1], kv_lens, cu_q)
-    rows.append(_row("fixup_zero_kv_rows", "float32", f"{T}x{H}x{D}", _err(o, ro, l2, rl)))
-    return rows
+def environment() -> tuple[str, list[str]]:
+    """One line of versions (from package metadata: imports nothing), and warnings."""
+    parts = [f"zerokv {__version__}", f"Python {sys.version.split()[0]}", f"numpy {np.__version__}"]
+    cupys = [d for d in ("cupy-cuda12x", "cupy-cuda13x", "cupy") if _dist(d)]
+    for d in [*cupys, "cuda-bindings", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc", "torch"]:
+        if _dist(d):
+            parts.append(f"{d} {_dist(d)}")
+    warnings = []
+    if len(cupys) > 1:
+        warnings.append(
+            f"WARNING: {' and '.join(cupys)} are all installed; they write the same `cupy` module. "
+            f"Uninstall them all (pip uninstall -y {' '.join(cupys)}) and install one extra: "
+            "zerokv[cuda12] or zerokv[cuda13]."
+        )
+    return ", ".join(parts), warnings
 
 
 def _err(out, ref_out, lse, ref_lse) -> float:
@@ -74,7 +87,52 @@ def _err(out, ref_out, lse, ref_lse) -> float:
     return worst
 
 
-def run_gpu() -> list[str]:
+# --- the CPU path -----------------------------------------------------------------------------
+
+
+def _cases(rng: np.random.Generator, T: int, H: int, D: int):
+    v = rng.standard_normal((2, T, H, D)).astype(np.float32)
+    s = (rng.standard_normal((2, T, H)) * 3).astype(np.float32)
+    s[0, :: max(1, T // 7)] = -np.inf  # some empty prefix rows ...
+    v[0, :: max(1, T // 7)] = np.nan  # ... whose V is garbage that must not be read
+    s[1, 3 % T] = np.inf  # FA2's empty marker
+    kv_lens = np.array([0, 5, 0, 2], dtype=np.int32)
+    cu_q = np.array([0, T // 4, T // 2, 3 * T // 4, T], dtype=np.int32)
+    cu_kv = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
+    return v, s, kv_lens, cu_q, cu_kv
+
+
+def run_cpu(T: int = 257, H: int = 4, D: int = 72) -> list[Row]:
+    import zerokv
+
+    rng = np.random.default_rng(0)
+    v, s, kv_lens, cu_q, cu_kv = _cases(rng, T, H, D)
+    shape, tol = f"{T}x{H}x{D}", 1e-5
+    rows = []
+    out, lse = zerokv.merge_state(v[0], s[0], v[1], s[1])
+    ro, rl = reference.merge_state(v[0], s[0], v[1], s[1])
+    rows.append(Row("merge_state", "float32", shape, _err(out, ro, lse, rl), tol))
+    out, lse = zerokv.merge_states(v, s)
+    ro, rl = reference.merge_states(v, s)
+    rows.append(Row("merge_states", "float32", f"2x{shape}", _err(out, ro, lse, rl), tol))
+    o, ls = v[1].copy(), s[1].copy()
+    zerokv.fixup_zero_kv_rows(o, ls, kv_lens, cu_q)
+    ro, rl = reference.fixup_zero_kv_rows(v[1], s[1], kv_lens, cu_q)
+    rows.append(Row("fixup_zero_kv_rows", "float32", shape, _err(o, ro, ls, rl), tol))
+    o, ls = v[1].copy(), s[1].copy()
+    zerokv.mask_empty_context(o, ls, cu_q, cu_kv)
+    ro, rl = reference.mask_empty_context(v[1], s[1], cu_q, cu_kv)
+    rows.append(Row("mask_empty_context", "float32", shape, _err(o, ro, ls, rl), tol))
+    return rows
+
+
+# --- the GPU ----------------------------------------------------------------------------------
+
+# max abs error allowed against the float64 reference, by output dtype (values ~ N(0, 1))
+GPU_TOL = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def run_gpu() -> list[Row]:
     import torch
 
     import zerokv
@@ -105,6 +163,7 @@ def run_gpu() -> list[str]:
         (torch.float32, 1024, 8, 7),
     ):
         name = str(dtype).removeprefix("torch.")
+        tol = GPU_TOL[name]
         shape = f"{T}x{H}x{D}"
         v = torch.randn(2, T, H, D, device=dev, dtype=dtype, generator=gen)
         s = torch.randn(2, T, H, device=dev, generator=gen) * 3
@@ -117,12 +176,16 @@ def run_gpu() -> list[str]:
 
         us, gbps = timed(lambda: zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse), nbytes)
         ro, rl = reference.merge_state(*f64(va, sa, vb, sb))
-        rows.append(_row("merge_state", name, shape, _err(*f64(out), ro, *f64(lse), rl), us, gbps))
+        rows.append(Row("merge_state", name, shape, _err(*f64(out), ro, *f64(lse), rl), tol, us, gbps))
 
         out.fill_(float("nan"))
+        lse.fill_(float("nan"))
         us, gbps = timed(lambda: zerokv.merge_states(v, s, out=out, out_lse=lse), nbytes)
         ro, rl = reference.merge_states(*f64(v, s, axis=1))
-        rows.append(_row("merge_states", name, f"2x{shape}", _err(*f64(out), ro, *f64(lse), rl), us, gbps))
+        rows.append(Row("merge_states", name, f"2x{shape}", _err(*f64(out), ro, *f64(lse), rl), tol, us, gbps))
+
+        if dtype == torch.bfloat16:
+            rows.append(_fp8_row(va, sa, vb, sb, timed, f64))
 
         B = 64
         cu = torch.linspace(0, T, B + 1, device=dev).round().to(torch.int32)
@@ -149,40 +212,95 @@ def run_gpu() -> list[str]:
             run(o, ls)
             err = _err(*f64(o, n=T), ro, *f64(ls, n=T), rl)
             us, gbps = timed(lambda: run(o, ls), written)
-            rows.append(_row(op, name, shape, err, us, gbps))
+            rows.append(Row(op, name, shape, err, 0.0, us, gbps))  # writes exact zeros and -inf
     return rows
 
 
+def _fp8_row(va, sa, vb, sb, timed, f64) -> Row:
+    """bf16 in, fp8 e4m3 out with a scale; the error is in fp8 steps (1 = one step of e4m3's
+    3-bit mantissa at that magnitude, or 2^-9 near zero): correct rounding is within 1/2."""
+    import torch
+
+    import zerokv
+
+    T, H, D = va.shape
+    scale = torch.tensor([1 / 64], device=va.device)
+    out = torch.full((T, H, D), float("nan"), device=va.device).to(torch.float8_e4m3fn)
+    nbytes = 2 * va.numel() * va.element_size() + out.numel() + 2 * sa.numel() * 4
+    us, gbps = timed(lambda: zerokv.merge_state(va, sa, vb, sb, out=out, out_scale=scale), nbytes)
+    ro, _ = reference.merge_state(*f64(va, sa, vb, sb))
+    expected = np.clip(ro * 64, -448, 448)
+    (got,) = f64(out.float())
+    if np.isnan(got).any() or np.isnan(expected).any():
+        err = float("inf")
+    else:
+        err = float((np.abs(got - expected) / (np.abs(expected) / 8 + 2.0**-9)).max())
+    return Row("merge_state", "bf16->fp8 steps", f"{T}x{H}x{D}", err, 1.0, us, gbps)
+
+
+# --- without a GPU: the offline compile -------------------------------------------------------
+
+
+def offline_compile() -> tuple[str, bool]:
+    """Compile every instantiation for OFFLINE_ARCHS (cached); (what to print, passed)."""
+    from . import _kernels, _offline
+
+    start = time.perf_counter()
+    try:
+        _offline.nvrtc_version()
+    except ImportError as e:
+        return f"offline compile skipped: {e}", True
+    total, cached, failed = 0, 0, []
+    for arch in OFFLINE_ARCHS:
+        for stem in _kernels.instantiations():
+            try:
+                results = _offline.compile_stem(stem, arch)
+            except _offline.CompileError as e:
+                failed.append(e.summary())
+                continue
+            total += len(results)
+            cached += sum(r.cached for r in results)
+    took = time.perf_counter() - start
+    line = (
+        f"compiled {total} kernel instantiations for {', '.join(OFFLINE_ARCHS)} through NVRTC in {took:.2f} s"
+        f" ({cached} from the cache)"
+    )
+    if failed:
+        return line + "\nFAILED to compile:\n" + "\n".join(failed), False
+    return line, True
+
+
 def main() -> int:
+    env, warnings = environment()
+    print(env)
+    for w in warnings:
+        print(w)
+    ok = True
+    t = time.perf_counter()
+    rows = run_cpu()
+    print(f"CPU path (numpy in, the reference semantics), {time.perf_counter() - t:.2f} s")
+    print(HEADER)
+    print("\n".join(str(r) for r in rows))
     if gpu_available():
         import cupy
 
         props = cupy.cuda.runtime.getDeviceProperties(0)
-        print(f"zerokv self-check on {props['name'].decode()} (GB/s: 1e9 bytes read + written)")
+        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+        print(f"\nGPU: {name} (sm_{props['major']}{props['minor']}); GB/s: 1e9 bytes read + written")
         t = time.perf_counter()
-        rows = run_gpu()
+        gpu_rows = run_gpu()
         print(HEADER)
-        print("\n".join(rows))
+        print("\n".join(str(r) for r in gpu_rows))
         print(f"(compile + run: {time.perf_counter() - t:.1f} s)")
+        rows += gpu_rows
     else:
-        print(
-            "zerokv self-check: no CUDA GPU found; compiling every kernel for sm_90 and running the CPU path"
-        )
-        t = time.perf_counter()
-        try:
-            compiled = _offline.compile_all("sm_90")
-        except ImportError:
-            print("(cuda-bindings not installed: offline compile skipped; pip install 'zerokv[nvrtc]')")
-        else:
-            print(
-                f"compiled {len(compiled)} kernel instantiations for sm_90 in {time.perf_counter() - t:.2f} s"
-            )
-        rows = run_cpu()
-        print(HEADER)
-        print("\n".join(rows))
-    bad = [r for r in rows if "inf" in r.split()[3] or float(r.split()[3]) > 5e-2]
+        print("\nno CUDA GPU found: compiling every kernel without one")
+        line, passed = offline_compile()
+        print(line)
+        ok = ok and passed
+    bad = [r for r in rows if not r.ok()]
     if bad:
-        print("FAILED:\n" + "\n".join(bad))
-        return 1
-    print("ok")
-    return 0
+        print("FAILED:\n" + "\n".join(str(r) for r in bad))
+        ok = False
+    print("ok" if ok else "FAILED")
+    return 0 if ok else 1

@@ -10,7 +10,9 @@ so that torch.compile can trace them without running them::
     torch.ops.zerokv.fixup_zero_kv_rows(out, lse, kv_lens, cu_seqlens_q)        -> ()  (in place)
     torch.ops.zerokv.mask_empty_context(out, lse, cu_seqlens_q, cu_seqlens_kv)  -> ()  (in place)
 
-Importing :mod:`zerokv` registers them when torch is installed.
+The merges take ``sinks`` (float32 ``[H]`` attention-sink logits) and ``a_cu_seqlens_q`` /
+``a_kv_lens`` (both or neither: the native ``a_empty`` pair). Importing :mod:`zerokv` registers
+them when torch is installed.
 """
 
 from __future__ import annotations
@@ -18,40 +20,49 @@ from __future__ import annotations
 import torch
 
 from .empty_rows import fixup_zero_kv_rows, mask_empty_context
-from .merge import merge_state, merge_states
+from .merge import merge_states, merge_two
 
 _lib = torch.library.Library("zerokv", "DEF")
 
 _lib.define(
     "merge_state(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, str lse_base='e', "
-    "SymInt? prefix_rows=None, Tensor? a_cu_seqlens_q=None, Tensor? a_kv_lens=None) -> (Tensor, Tensor)"
+    "SymInt? prefix_rows=None, Tensor? a_cu_seqlens_q=None, Tensor? a_kv_lens=None, "
+    "Tensor? sinks=None) -> (Tensor, Tensor)"
 )
 _lib.define(
     "merge_state_out(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, Tensor(a!) out, Tensor(b!)? out_lse, "
     "str lse_base='e', SymInt? prefix_rows=None, Tensor? a_cu_seqlens_q=None, Tensor? a_kv_lens=None, "
-    "Tensor? out_scale=None) -> ()"
+    "Tensor? out_scale=None, Tensor? sinks=None) -> ()"
 )
-_lib.define("merge_states(Tensor v, Tensor s, str lse_base='e') -> (Tensor, Tensor)")
+_lib.define("merge_states(Tensor v, Tensor s, str lse_base='e', Tensor? sinks=None) -> (Tensor, Tensor)")
 _lib.define("fixup_zero_kv_rows(Tensor(a!) out, Tensor(b!) lse, Tensor kv_lens, Tensor cu_seqlens_q) -> ()")
 _lib.define(
     "mask_empty_context(Tensor(a!) out, Tensor(b!) lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv) -> ()"
 )
 
+# the schema's names of the two halves of the native a_empty pair, for the checks' messages
+_NAMES = {"a_empty[0]": "a_cu_seqlens_q", "a_empty[1]": "a_kv_lens"}
 
-def _pair(a, b):
-    return None if a is None else (a, b)
+
+def _a_empty(a_cu_seqlens_q, a_kv_lens):
+    """The native ``a_empty`` pair; half of it is an error, not an absent pair."""
+    if (a_cu_seqlens_q is None) != (a_kv_lens is None):
+        given, missing = (
+            ("a_kv_lens", "a_cu_seqlens_q") if a_cu_seqlens_q is None else ("a_cu_seqlens_q", "a_kv_lens")
+        )
+        raise ValueError(
+            f"a_cu_seqlens_q and a_kv_lens: give both or neither ({given} given, {missing} is None)"
+        )
+    return None if a_cu_seqlens_q is None else (a_cu_seqlens_q, a_kv_lens)
 
 
-def _merge_state(v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, a_cu_seqlens_q=None, a_kv_lens=None):
-    return merge_state(
-        v_a,
-        s_a,
-        v_b,
-        s_b,
-        lse_base=lse_base,
-        prefix_rows=prefix_rows,
-        a_empty=_pair(a_cu_seqlens_q, a_kv_lens),
-    )
+def _merge_state(
+    v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, a_cu_seqlens_q=None, a_kv_lens=None, sinks=None
+):
+    return merge_two(
+        v_a, s_a, v_b, s_b, lse_base=lse_base, prefix_rows=prefix_rows,
+        a_empty=_a_empty(a_cu_seqlens_q, a_kv_lens), sinks=sinks, names=_NAMES,
+    )  # fmt: skip
 
 
 def _merge_state_out(
@@ -66,15 +77,16 @@ def _merge_state_out(
     a_cu_seqlens_q=None,
     a_kv_lens=None,
     out_scale=None,
+    sinks=None,
 ):
-    merge_state(
-        v_a, s_a, v_b, s_b, out=out, out_lse=out_lse, lse_base=lse_base, prefix_rows=prefix_rows,
-        a_empty=_pair(a_cu_seqlens_q, a_kv_lens), out_scale=out_scale,
+    merge_two(
+        v_a, s_a, v_b, s_b, out, out_lse, lse_base=lse_base, prefix_rows=prefix_rows,
+        a_empty=_a_empty(a_cu_seqlens_q, a_kv_lens), out_scale=out_scale, sinks=sinks, names=_NAMES,
     )  # fmt: skip
 
 
-def _merge_states(v, s, lse_base="e"):
-    return merge_states(v, s, lse_base=lse_base)
+def _merge_states(v, s, lse_base="e", sinks=None):
+    return merge_states(v, s, lse_base=lse_base, sinks=sinks)
 
 
 for _key in ("CPU", "CUDA"):
@@ -87,18 +99,33 @@ for _key in ("CPU", "CUDA"):
 
 @torch.library.register_fake("zerokv::merge_state", lib=_lib)
 def _merge_state_fake(
-    v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, a_cu_seqlens_q=None, a_kv_lens=None
+    v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, a_cu_seqlens_q=None, a_kv_lens=None, sinks=None
 ):
+    _a_empty(a_cu_seqlens_q, a_kv_lens)  # a half pair fails while tracing too
     return torch.empty_like(v_a, memory_format=torch.contiguous_format), s_a.new_empty(s_a.shape)
 
 
 @torch.library.register_fake("zerokv::merge_states", lib=_lib)
-def _merge_states_fake(v, s, lse_base="e"):
+def _merge_states_fake(v, s, lse_base="e", sinks=None):
     return v.new_empty(v.shape[1:]), s.new_empty(s.shape[1:])
 
 
 @torch.library.register_fake("zerokv::merge_state_out", lib=_lib)
-def _merge_state_out_fake(*args, **kwargs):
+def _merge_state_out_fake(
+    v_a,
+    s_a,
+    v_b,
+    s_b,
+    out,
+    out_lse,
+    lse_base="e",
+    prefix_rows=None,
+    a_cu_seqlens_q=None,
+    a_kv_lens=None,
+    out_scale=None,
+    sinks=None,
+):
+    _a_empty(a_cu_seqlens_q, a_kv_lens)
     return None
 
 

@@ -5,45 +5,58 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .._tensors import is_torch
-from ..empty_rows import fixup_zero_kv_rows as _fixup
-from ..merge import merge_two
+import numpy as np
+
+from .. import _kernels, empty_rows
+from .. import merge as _merge
+from .._tensors import is_torch, view
+
+_MERGE_NAMES = {"out": "v_merged", "out_lse": "s_merged"}
+_FIXUP_NAMES = ("out", "lse", "cum_seq_lens", "kv_lens")  # (out, lse, cu_q, lens)
+_CASTABLE = ("float16", "bfloat16", "float64", "float8_e4m3fn")  # float LSEs SGLang converts
 
 
 def merge_state_v2(
     v_a: Any, s_a: Any, v_b: Any, s_b: Any, v_merged: Any = None, s_merged: Any = None
 ) -> tuple[Any, Any]:
-    """Merge two states; returns ``(v_merged, s_merged)`` (allocated when None).
+    """Merge two states; returns ``(v_merged, s_merged)`` (each allocated when None).
 
     Args:
         v_a, v_b: ``[T, H, D]`` float16 / bfloat16 / float32.
-        s_a, s_b: ``[T, H]`` LSE, natural log (converted to float32 when not, as SGLang does).
-        v_merged: ``[T, H, D]`` output (may alias ``v_a``), or None.
-        s_merged: ``[T, H]`` float32 output, or None.
+        s_a, s_b: ``[T, H]`` LSE, natural log: float32, or another floating dtype converted to
+            float32 as SGLang does (a copy); an integer or bool LSE is a ``TypeError``.
+        v_merged: ``[T, H, D]`` output (may be ``v_a`` or ``v_b`` itself), or None.
+        s_merged: ``[T, H]`` float32 output (may be ``s_a`` or ``s_b`` itself), or None.
 
     As SGLang: an LSE of +inf counts as -inf. Unlike SGLang, two empty states give
-    ``(0, -inf)``, not NaN.
+    ``(0, -inf)``, not NaN. A rejected call writes nothing.
     """
-    s_a = (
-        s_a.float() if getattr(s_a, "dtype", None) is not None and str(s_a.dtype) != "torch.float32" else s_a
-    )
-    s_b = (
-        s_b.float() if getattr(s_b, "dtype", None) is not None and str(s_b.dtype) != "torch.float32" else s_b
-    )
-    if v_merged is not None and s_merged is None:
-        s_merged = s_a.new_empty(s_a.shape)
-    return merge_two(
-        v_a, s_a, v_b, s_b, v_merged, s_merged, "e", None, None, None,
-        suffix_verbatim=False, row_mask=None, allocate_lse=True,
-        names=("v_a", "s_a", "v_b", "s_b", "v_merged", "s_merged"),
+    return _merge.merge_two(
+        v_a, _float32(s_a, "s_a"), v_b, _float32(s_b, "s_b"), v_merged, s_merged,
+        allocate_lse=True, names=_MERGE_NAMES,
     )  # fmt: skip
 
 
-def _float32(s: Any) -> Any:
-    """SGLang casts the LSEs to float32 before its kernel; so do we (torch tensors only)."""
-    if is_torch(s) and s.is_floating_point() and s.dtype != sys.modules["torch"].float32:
-        return s.float()
-    return s
+def _float32(s: Any, arg: str) -> Any:
+    """SGLang converts a floating LSE to float32 before its kernel; so do we. Anything else is
+    refused here rather than converted (an int or bool LSE is a bug upstream)."""
+    if is_torch(s):
+        torch = sys.modules["torch"]
+        if s.dtype is torch.float32:
+            return s
+        if s.is_floating_point():
+            return s.float()
+        raise TypeError(f"{arg}: an LSE must be floating point (float32 preferred), got dtype {s.dtype}")
+    if s is None:
+        raise TypeError(f"{arg}: expected a tensor, got None")
+    dtype = view(s, arg).dtype  # TypeError naming arg for what is not a tensor
+    if dtype == "float32":
+        return s
+    if dtype not in _CASTABLE:
+        raise TypeError(f"{arg}: an LSE must be floating point (float32 preferred), got dtype {dtype}")
+    if not hasattr(s, "astype"):
+        raise TypeError(f"{arg}: a {dtype} LSE of type {type(s).__name__} cannot be converted; pass float32")
+    return s.astype(np.float32)
 
 
 def fixup_zero_kv_rows(out: Any, lse: Any, kv_lens: Any, cum_seq_lens: Any, max_seq_len: int) -> None:
@@ -53,7 +66,12 @@ def fixup_zero_kv_rows(out: Any, lse: Any, kv_lens: Any, cum_seq_lens: Any, max_
         out: ``[T, H, Dv]`` float16 / bfloat16 / float32.
         lse: ``[T, H]`` float32.
         kv_lens: ``[B]`` int32 / int64.
-        cum_seq_lens: ``[B + 1]`` int32 / int64 query offsets.
-        max_seq_len: accepted and ignored: unlike SGLang's kernel, rows past it are fixed too.
+        cum_seq_lens: ``[B + 1]`` int32 / int64 query offsets (clipped to ``[0, T)``).
+        max_seq_len: an int, accepted and ignored: unlike SGLang's kernel, rows past it are
+            fixed too.
+
+    A rejected call writes nothing.
     """
-    _fixup(out, lse, kv_lens, cum_seq_lens, max_seq_len)
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)):
+        raise TypeError(f"max_seq_len: expected an int, got {type(max_seq_len).__name__}")
+    empty_rows._run(_kernels.RULE_KV_LENS_ZERO, out, lse, cum_seq_lens, kv_lens, _FIXUP_NAMES)

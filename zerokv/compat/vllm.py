@@ -1,27 +1,30 @@
 """vLLM's signatures: ``merge_attn_states`` and ``mask_empty_context`` (LSE ``[H, T]``, natural log).
 
 Swap ``from vllm...triton_merge_attn_states import merge_attn_states`` (or the CUDA op) for
-``from zerokv.compat.vllm import merge_attn_states``.
+``from zerokv.compat.vllm import merge_attn_states``. Errors name vLLM's arguments and give
+LSE shapes in vLLM's ``[num_heads, num_tokens]`` order.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .. import _checks
-from ..empty_rows import mask_empty_context as _mask
-from ..merge import merge_two
+from .. import _kernels, empty_rows
+from .. import merge as _merge
+from .._tensors import view
 
-_NAMES = ("prefix_output", "prefix_lse", "suffix_output", "suffix_lse", "output", "output_lse")
-
-
-def _hn(x: Any, arg: str) -> Any:
-    """A ``[H, T]`` LSE as the ``[T, H]`` view the native ops take (zero-copy)."""
-    if getattr(x, "ndim", None) != 2:
-        raise ValueError(
-            f"{arg}: expected an [num_heads, num_tokens] LSE, got shape {tuple(getattr(x, 'shape', ()))}"
-        )
-    return x.T
+# zerokv's argument -> vLLM's, for the messages
+_MERGE_NAMES = {
+    "v_a": "prefix_output",
+    "s_a": "prefix_lse",
+    "v_b": "suffix_output",
+    "s_b": "suffix_lse",
+    "out": "output",
+    "out_lse": "output_lse",
+    "prefix_rows": "prefill_tokens_with_context",
+    "out_scale": "output_scale",
+}
+_MASK_NAMES = ("output", "lse", "query_start_loc", "context_start_loc")  # (out, lse, cu_q, cu_kv)
 
 
 def merge_attn_states(
@@ -37,7 +40,8 @@ def merge_attn_states(
     """Merge prefix and suffix attention into ``output`` (in place; returns None).
 
     Args:
-        output: ``[T, H, D]``, the inputs' dtype, or float8_e4m3fn with ``output_scale``.
+        output: ``[T, H, D]``, the inputs' dtype, or float8_e4m3fn with ``output_scale``
+            (required, as in vLLM; may be ``prefix_output`` or ``suffix_output`` itself).
         prefix_output, suffix_output: ``[T, H, D]`` float16 / bfloat16 / float32.
         prefix_lse, suffix_lse: ``[H, T]`` float32, natural log (any strides).
         output_lse: ``[H, T]`` float32 or None (then not written).
@@ -46,38 +50,97 @@ def merge_attn_states(
         output_scale: float32 tensor of one element for an fp8 output (``merged / scale``).
 
     As vLLM: an LSE of +inf counts as -inf. Unlike vLLM's kernels, two empty states give
-    ``(0, -inf)`` rather than the prefix's (possibly garbage) V or NaN.
+    ``(0, -inf)`` rather than the prefix's (possibly garbage) V or NaN. A rejected call writes
+    nothing.
     """
-    if prefill_tokens_with_context is not None and not isinstance(prefill_tokens_with_context, int):
-        raise TypeError(
-            f"prefill_tokens_with_context: expected an int or None, got {type(prefill_tokens_with_context).__name__}"
-        )
-    merge_two(
-        prefix_output, _hn(prefix_lse, "prefix_lse"), suffix_output, _hn(suffix_lse, "suffix_lse"),
-        output, None if output_lse is None else _hn(output_lse, "output_lse"), "e",
-        prefill_tokens_with_context, None, output_scale,
-        suffix_verbatim=True, row_mask=None, allocate_lse=False, names=_NAMES,
-    )  # fmt: skip
+    if output is None:
+        raise TypeError("output: required (vLLM's merge_attn_states writes its result into it), got None")
+    lses = (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse))
+    try:
+        _merge.merge_two(
+            prefix_output, _th(prefix_lse, "prefix_lse"), suffix_output, _th(suffix_lse, "suffix_lse"),
+            output, None if output_lse is None else _th(output_lse, "output_lse"),
+            prefix_rows=prefill_tokens_with_context, out_scale=output_scale,
+            suffix_verbatim=True, allocate_lse=False, names=_MERGE_NAMES,
+        )  # fmt: skip
+    except (TypeError, ValueError):
+        _explain_lse_shapes(_token_head(prefix_output), lses)  # vLLM's [H, T] terms when an LSE is off
+        raise
 
 
 def mask_empty_context(lse: Any, output: Any, query_start_loc: Any, context_start_loc: Any) -> None:
     """In place: tokens of requests whose context chunk is empty
-    (``context_start_loc[i + 1] == context_start_loc[i]``) get ``lse = -inf`` and ``output = 0``,
+    (``context_start_loc[i + 1] <= context_start_loc[i]``) get ``lse = -inf`` and ``output = 0``,
     in one launch.
 
     Args:
         lse: ``[H, T]`` float32 (any strides).
-        output: ``[T, H, D]`` (or ``[T, H * D]``) float16 / bfloat16 / float32.
-        query_start_loc: ``[B + 1]`` int32 / int64 query offsets.
+        output: ``[T, H, D]`` (or ``[T, H * D]``) float16 / bfloat16 / float32, head_dim contiguous.
+        query_start_loc: ``[B + 1]`` int32 / int64 query offsets (clipped to ``[0, T)``).
         context_start_loc: ``[B + 1]`` int32 / int64 context offsets of the chunk.
+
+    A rejected call writes nothing.
     """
-    lse_th = _hn(lse, "lse")
     if getattr(output, "ndim", None) == 2:
-        T, width = output.shape
-        H = lse_th.shape[1]
-        if H == 0 or width % H:
-            raise ValueError(f"output: width {width} is not a multiple of num_heads {H}")
-        output = output.view(T, H, width // H)
-    elif getattr(output, "ndim", None) != 3:
-        _checks.tensor(output, "output", 3, ())  # raises the usual message
-    _mask(output, lse_th, query_start_loc, context_start_loc)
+        output = _split_heads(output, lse)
+    try:
+        empty_rows._run(
+            _kernels.RULE_CONTEXT_SPAN_EMPTY, output, _th(lse, "lse"), query_start_loc, context_start_loc,
+            _MASK_NAMES,
+        )  # fmt: skip
+    except (TypeError, ValueError):
+        _explain_lse_shapes(_token_head(output), (("lse", lse),))
+        raise
+
+
+# --- [H, T] LSEs in vLLM's own terms ------------------------------------------------------------
+
+
+def _th(x: Any, arg: str) -> Any:
+    """A ``[H, T]`` LSE as the ``[T, H]`` view the native ops take (zero-copy)."""
+    if getattr(x, "ndim", None) == 2 and hasattr(x, "T"):
+        return x.T
+    shape = tuple(view(x, arg).shape)  # TypeError naming arg for what is not a tensor
+    if len(shape) != 2:
+        raise ValueError(f"{arg}: expected an [num_heads, num_tokens] LSE (2 dimensions), got shape {shape}")
+    raise TypeError(f"{arg}: a {type(x).__name__} has no .T; pass a torch, numpy or CuPy array")
+
+
+def _token_head(v: Any) -> tuple[int, int] | None:
+    """(T, H) of a ``[T, H, D]`` tensor, or None when it is not one (its own check reports it)."""
+    shape = getattr(v, "shape", None)
+    return (int(shape[0]), int(shape[1])) if shape is not None and len(shape) == 3 else None
+
+
+def _explain_lse_shapes(th: tuple[int, int] | None, lses: tuple[tuple[str, Any], ...]) -> None:
+    """Raise a ``ValueError`` in ``[num_heads, num_tokens]`` terms for the first LSE whose shape
+    is not ``(H, T)``; return quietly when every one fits (the native error stands)."""
+    if th is None:
+        return
+    T, H = th
+    for arg, x in lses:
+        shape = getattr(x, "shape", None)
+        if shape is None or len(shape) != 2 or tuple(shape) == (H, T):
+            continue
+        hint = " (a [num_tokens, num_heads] LSE? pass lse.T)" if tuple(shape) == (T, H) else ""
+        raise ValueError(
+            f"{arg}: expected shape ({H}, {T}) (num_heads, num_tokens), got {tuple(shape)}{hint}"
+        ) from None
+
+
+def _split_heads(output: Any, lse: Any) -> Any:
+    """vLLM's ``[T, H * D]`` output as the ``[T, H, D]`` view (heads from the ``[H, T]`` LSE)."""
+    T, width = output.shape
+    lse_shape = tuple(_th(lse, "lse").shape)  # (T, H) if lse is the [H, T] vLLM passes
+    if lse_shape[0] != T:
+        raise ValueError(
+            f"lse: expected shape (num_heads, {T}) (num_heads, num_tokens) for an output of {T} tokens, "
+            f"got {lse_shape[::-1]}"
+        )
+    H = lse_shape[1]
+    if H == 0 or width % H:
+        raise ValueError(f"output: width {width} is not a multiple of num_heads {H} (lse's first dimension)")
+    return output.reshape(T, H, width // H)  # splitting one axis: always a view, never a copy
+
+
+from .vllm_dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs  # noqa: E402,F401

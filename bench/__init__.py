@@ -1,1 +1,0 @@
-"""zerokv benchmarks: ``python -m bench --help`` (see bench/__main__.py)."""
