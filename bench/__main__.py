@@ -22,10 +22,12 @@ Parts:
 * cp: context-parallel merge on two GPUs (``bench/bench_cp.py``, when present).
 
 GPU µs come from replaying a CUDA graph of many calls (no host cost inside), beside the
-CUDA-event time of one call; inputs rotate over sets that together exceed twice the L2 where a
-shape allows. GB/s = 1e9 bytes read + written per second; % of copy = against a torch ``copy_``
-of 1 GiB in the same run. Each run writes ``zerokv-bench-<date>-<mode>.json`` (environment and
-every row), ``.md`` (the tables and targets printed at the end) and ``.png`` into ``--out``.
+CUDA-event time of one call. Inputs rotate over sets that together exceed twice the L2, so
+that large shapes come from memory; a graph of 50 calls on shapes of a few hundred kB stays in
+L2 (as an engine's merge finds what the attention kernel just wrote). GB/s = 1e9 bytes read +
+written per second; % of copy = against a torch ``copy_`` of 1 GiB in the same run. Each run
+writes ``zerokv-bench-<date>-<mode>.json`` (environment and every row), ``.md`` (the tables
+and targets printed at the end) and ``.png`` into ``--out``.
 
 Writing a bench module: ``bench/bench_<name>.py`` is listed in ``PARTS`` below and provides::
 

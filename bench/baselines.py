@@ -40,10 +40,13 @@ def eager_merge_state(v_a: Any, s_a: Any, v_b: Any, s_b: Any, out: Any, out_lse:
     w_a = torch.exp(s_a - m)
     w_b = torch.exp(s_b - m)
     total = w_a + w_b
-    c_a = torch.nan_to_num(w_a / total, nan=0.0).unsqueeze(-1)  # 0 / 0 when both are empty
-    c_b = torch.nan_to_num(w_b / total, nan=0.0).unsqueeze(-1)
-    out.copy_(torch.where(c_a > 0, v_a.float() * c_a, 0.0) + torch.where(c_b > 0, v_b.float() * c_b, 0.0))
-    out_lse.copy_(torch.where(total > 0, m + torch.log(total), -INF))
+    inv = torch.where(total == 0, 0.0, 1.0 / total)  # a NaN total stays NaN
+    w_a, w_b, inv = w_a.unsqueeze(-1), w_b.unsqueeze(-1), inv.unsqueeze(-1)
+    out.copy_(
+        torch.where(w_a == 0, 0.0, v_a.float() * (w_a * inv))
+        + torch.where(w_b == 0, 0.0, v_b.float() * (w_b * inv))
+    )
+    out_lse.copy_(torch.where(total == 0, -INF, m + torch.log(total)))
     return out, out_lse
 
 
@@ -54,9 +57,10 @@ def eager_merge_states(v: Any, s: Any, out: Any, out_lse: Any) -> tuple[Any, Any
     m = torch.where(m == -INF, 0.0, m)
     w = torch.exp(s - m)
     total = w.sum(dim=0)
-    c = torch.nan_to_num(w / total, nan=0.0).unsqueeze(-1)
-    out.copy_(torch.where(c > 0, v.float() * c, 0.0).sum(dim=0))
-    out_lse.copy_(torch.where(total > 0, m + torch.log(total), -INF))
+    inv = torch.where(total == 0, 0.0, 1.0 / total)
+    w = w.unsqueeze(-1)
+    out.copy_(torch.where(w == 0, 0.0, v.float() * (w * inv.unsqueeze(-1))).sum(dim=0))
+    out_lse.copy_(torch.where(total == 0, -INF, m + torch.log(total)))
     return out, out_lse
 
 
@@ -122,9 +126,9 @@ if triton is not None:
         tl.store(olse + t * ol_st + h * ol_sh, tl.where(total == 0.0, float("-inf"), m + tl.log(total)))
 
 
-def triton_interpreted() -> bool:
-    """Triton runs on the CPU (its interpreter): the dry run can include it."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+def triton_runs(dry: bool) -> bool:
+    """Triton is installed and, for the dry run on the CPU, runs in its interpreter."""
+    return triton is not None and (not dry or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def triton_merge_state(v_a: Any, s_a: Any, v_b: Any, s_b: Any, out: Any, out_lse: Any) -> tuple[Any, Any]:

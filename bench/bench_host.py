@@ -7,7 +7,8 @@ merge measured in the same process, three ways:
   4096 distinct values per round (rounds use other values again); the loop that only slices is
   timed too and subtracted;
 * (b) the same call repeated (same tensors, T = 256);
-* (c) outputs allocated by the op (where it allocates): as (a), without ``out``.
+* (c) outputs allocated by the op (where it allocates): as (a), without ``out``. Adapters that
+  always allocate (FlashInfer's ``merge_state``, ``merge_states``) have (b) and (c) only.
 
 Rows are ``H = 2``, ``D = 64``, bf16, T up to ~12k: the GPU work of a call stays a few µs, below
 its host time, so the host is what is measured. Loops run with the garbage collector off,
@@ -16,7 +17,7 @@ synchronised before and after; the median of the rounds is reported.
 **Compile**: the first call of each op in a fresh process with its own ``CUPY_CACHE_DIR``:
 cold (empty cache: NVRTC compile, load, first launch) and warm (a new process on the cache
 the cold one filled); "engine" = the bf16 vector path of each op, "all" = every instantiation
-(full runs only). The child process is this module::
+through ``zerokv.precompile`` (full runs only). The child process is this module::
 
     python -m bench.bench_host --compile-child engine|all [--cpu]
 """
@@ -39,8 +40,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from . import baselines
-from .common import Bench, Row, Task
+from .common import Bench, Row, Task  # nothing that imports zerokv: the compile child times that
 
 H, D = 2, 64
 T_REPEATED = 256
@@ -58,12 +58,15 @@ class Case:
     kind: str  # "reference" (torch.mul), "baseline" or "zerokv"
     given: tuple[Callable[..., Any], ArgsAt] | None  # outputs given: modes (a) and (b)
     alloc: tuple[Callable[..., Any], ArgsAt] | None = None  # outputs allocated by the op: mode (c)
+    skip: str = ""  # why it cannot run here
 
 
 def cases(b: Bench) -> list[Case]:
     import zerokv
     from zerokv.compat import flashinfer as fi
     from zerokv.compat import sglang, vllm
+
+    from . import baselines
 
     torch = b.torch
     ops = getattr(torch.ops, "zerokv", None)
@@ -87,7 +90,8 @@ def cases(b: Bench) -> list[Case]:
              (torch.mul, lambda t, T: ((t.a[:T], t.b[:T]), {}))),
         Case("Triton merge (vLLM design)", "baseline",
              (baselines.triton_merge_state,
-              lambda t, T: ((t.va[:T], t.sa[:T], t.vb[:T], t.sb[:T], t.out[:T], t.ol[:T]), {}))),
+              lambda t, T: ((t.va[:T], t.sa[:T], t.vb[:T], t.sb[:T], t.out[:T], t.ol[:T]), {})),
+             skip="" if baselines.triton is not None and not b.dry else "skipped: needs Triton on a GPU"),
         Case("merge_state", "zerokv", (zerokv.merge_state, merge6), (zerokv.merge_state, merge4)),
         Case("merge_state a_empty", "zerokv",
              (zerokv.merge_state, a_empty(merge6)), (zerokv.merge_state, a_empty(merge4))),
@@ -228,6 +232,12 @@ def repeated_us(b: Bench, fn: Callable[..., Any], at: ArgsAt) -> tuple[float, di
 
 
 def run_case(case: Case, b: Bench) -> list[Row]:
+    if case.skip:
+        return [
+            Row(
+                op="host", impl=case.label, dtype="bf16", H=H, D=D, params={"kind": case.kind}, note=case.skip
+            )
+        ]
     modes = [
         ("a", case.given, new_t_us),
         ("b", case.given or case.alloc, repeated_us),
@@ -326,18 +336,15 @@ def compile_child(which: str, cpu: bool) -> dict[str, Any]:
             sync()
             result["items"][name] = time.perf_counter() - t
     elif not cpu:
-        from zerokv._kernels import KERNELS
-        from zerokv._runtime import Launcher
-
-        device, count = torch.cuda.current_device(), 0
-        for kernel in KERNELS:
+        count = 0
+        for op in ("merge_state", "merge_states", "fixup_zero_kv_rows", "mask_empty_context", "cp_merge"):
             t = time.perf_counter()
-            for targs in kernel.instances:
-                Launcher(kernel, targs, device)  # compiles and loads
-            result["items"][f"{kernel.name} ({len(kernel.instances)} instantiations)"] = (
-                time.perf_counter() - t
-            )
-            count += len(kernel.instances)
+            try:
+                n = zerokv.precompile(ops=[op])  # every dtype: compiles and loads each instantiation
+            except ValueError:  # an op this version does not have
+                continue
+            result["items"][f"{op} ({n} instantiations)"] = time.perf_counter() - t
+            count += n
         result["instantiations"] = count
     result["total_s"] = time.perf_counter() - t0
     return result

@@ -196,6 +196,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel) merge_state_kerne
 // sweeps its packs over the inputs, U packs of NU inputs in flight, skipping the V of empty
 // inputs and of inputs whose weight underflows to 0. The outputs must not overlap the inputs.
 constexpr int NU = 4;
+constexpr int UN = 2;  // packs per input in flight: NU x UN loads, registers for 2 blocks of 128
 
 template <typename Tin, typename Tout, int VEC>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_kernel(
@@ -243,15 +244,15 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_ker
   const float inv_out = out_scale != nullptr ? 1.f / *out_scale : 1.f;
   const Tin* pv = v + t * v_st + h * v_sh;
   Tout* po = out + t * out_st + h * out_sh;
-  for (i64 p0 = col; p0 < packs; p0 += (i64)U * lanes) {
-    float acc[U][VEC];
+  for (i64 p0 = col; p0 < packs; p0 += (i64)UN * lanes) {
+    float acc[UN][VEC];
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int u = 0; u < UN; ++u)
 #pragma unroll
       for (int j = 0; j < VEC; ++j) acc[u][j] = 0.f;
     for (i64 n0 = 0; n0 < N; n0 += NU) {
       float w[NU];
-      Pack<Tin, VEC> x[NU][U];
+      Pack<Tin, VEC> x[NU][UN];
 #pragma unroll
       for (int q = 0; q < NU; ++q) {  // every load of these NU inputs first
         w[q] = 0.f;
@@ -262,7 +263,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_ker
         w[q] = fast_exp2((l - m) * k) * scale;
         if (w[q] == 0.f) continue;
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
+        for (int u = 0; u < UN; ++u) {
           const i64 p = p0 + (i64)u * lanes;
           if (p < packs) x[q][u] = load_pack<Tin, VEC>(pv + n * v_sn + p * VEC);
         }
@@ -271,13 +272,13 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_ker
       for (int q = 0; q < NU; ++q) {
         if (w[q] == 0.f) continue;
 #pragma unroll
-        for (int u = 0; u < U; ++u)
+        for (int u = 0; u < UN; ++u)
 #pragma unroll
           for (int j = 0; j < VEC; ++j) acc[u][j] += w[q] * to_float(x[q][u].v[j]);
       }
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < UN; ++u) {
       const i64 p = p0 + (i64)u * lanes;
       if (p < packs) store_pack<Tout, VEC>(po + p * VEC, convert_pack<Tout, VEC>(acc[u], inv_out));
     }

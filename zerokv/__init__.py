@@ -11,6 +11,7 @@ from .cp_merge import cp_merge
 from .empty_rows import fixup_zero_kv_rows, mask_empty_context
 from .merge import merge_state, merge_states
 from .plan import ContextChunkPlan, plan_context_chunks
+from .precompile import precompile
 
 with contextlib.suppress(ImportError):  # torch.ops.zerokv.* when torch is installed
     from . import torch_ops  # noqa: F401
@@ -23,5 +24,6 @@ __all__ = [
     "merge_state",
     "merge_states",
     "plan_context_chunks",
+    "precompile",
 ]
 __version__ = "0.1.0"

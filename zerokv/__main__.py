@@ -17,15 +17,23 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     comp = sub.add_parser("compile", help="compile every kernel instantiation for an arch (no GPU needed)")
     comp.add_argument(
-        "--arch", default="sm_90", help="target(s), comma-separated: sm_80, sm_86, sm_89, sm_90, sm_100, sm_120, ..."
+        "--arch",
+        default="sm_90",
+        help="target(s), comma-separated: sm_80, sm_86, sm_89, sm_90, sm_100, sm_120, ...",
     )
-    comp.add_argument("--verbose", "-v", action="store_true", help="every instantiation, and NVRTC's log on failure")
-    comp.add_argument("--no-cache", action="store_true", help="compile again even when the cache has the result")
+    comp.add_argument(
+        "--verbose", "-v", action="store_true", help="every instantiation, and NVRTC's log on failure"
+    )
+    comp.add_argument(
+        "--no-cache", action="store_true", help="compile again even when the cache has the result"
+    )
     sub.add_parser("check", help="the self-check (the default)")
     args = parser.parse_args(argv)
 
     if args.command == "compile":
-        return compile_command([a.strip() for a in args.arch.split(",") if a.strip()], args.verbose, not args.no_cache)
+        return compile_command(
+            [a.strip() for a in args.arch.split(",") if a.strip()], args.verbose, not args.no_cache
+        )
     from . import selfcheck
 
     return selfcheck.main()
@@ -60,7 +68,9 @@ def compile_command(archs: list[str], verbose: bool, cache: bool) -> int:
             if verbose:
                 for r in results:
                     print(f"    {r.expression:60s} {r.lowered_name}")
-        print(f"{arch}: {total} instantiations compiled with NVRTC {major}.{minor} in {time.perf_counter() - start:.2f} s")
+        print(
+            f"{arch}: {total} instantiations compiled with NVRTC {major}.{minor} in {time.perf_counter() - start:.2f} s"
+        )
     if failures:
         print(f"FAILED: {failures} instantiations" + ("" if verbose else " (--verbose shows NVRTC's log)"))
         return 1

@@ -76,10 +76,13 @@ class Call:
         self.aligned = aligned
         return (self.op, self.scalars, *self.dtypes, self.device, self.is_torch, self.mixed, aligned)
 
-    def views(self, names: tuple[str, ...]) -> dict[str, Tensor | None]:
+    def views(self, names: tuple[str, ...], shown: tuple[str, ...] | None = None) -> dict[str, Tensor | None]:
         """Full records of every argument by name (the validation path); ``view`` raises a
-        ``TypeError`` naming the argument for anything that is not a tensor."""
-        return {n: (None if x is None else view(x, n)) for n, x in zip(names, self.objs, strict=False)}
+        ``TypeError`` naming the argument (as ``shown``, the caller's names) for anything that
+        is not a tensor. Arguments past the call's objects are None."""
+        shown = shown or names
+        objs = self.objs + (None,) * (len(names) - len(self.objs))
+        return {n: (None if x is None else view(x, s)) for n, s, x in zip(names, shown, objs)}
 
     def stream(self) -> int:
         """The producer's current stream on the call's device."""

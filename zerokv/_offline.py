@@ -49,7 +49,9 @@ class CompileError(RuntimeError):
 
     def summary(self) -> str:
         """One line per failing instantiation, with the first error NVRTC reported for it."""
-        return "\n".join(f"{self.stem}.cu: {expr} fails for {self.arch}: {first}" for expr, first in self.failing)
+        return "\n".join(
+            f"{self.stem}.cu: {expr} fails for {self.arch}: {first}" for expr, first in self.failing
+        )
 
 
 # --- NVRTC through cuda-bindings --------------------------------------------------------------
@@ -60,7 +62,9 @@ def install_hint() -> str:
     have = {d: _installed(d) for d in ("cupy-cuda12x", "cupy-cuda13x")}
     if have["cupy-cuda12x"] and not have["cupy-cuda13x"]:
         return "pip install 'cuda-bindings>=12.9,<13' (what the cuda12 extra installs: pip install 'zerokv[cuda12]')"
-    return "pip install 'cuda-bindings>=13,<14' (what the cuda13 extra installs: pip install 'zerokv[cuda13]')"
+    return (
+        "pip install 'cuda-bindings>=13,<14' (what the cuda13 extra installs: pip install 'zerokv[cuda13]')"
+    )
 
 
 def _installed(dist: str) -> bool:
@@ -144,7 +148,10 @@ def _compile(code: str, filename: str, exprs: list[str], arch: str) -> tuple[byt
         (size,) = _check(nv.nvrtcGetCUBINSize(prog), "cubin size")
         cubin = b" " * size
         _check(nv.nvrtcGetCUBIN(prog, cubin), "cubin")
-        lowered = [_check(nv.nvrtcGetLoweredName(prog, e.encode()), f"lowered name of {e}")[0].decode() for e in exprs]
+        lowered = [
+            _check(nv.nvrtcGetLoweredName(prog, e.encode()), f"lowered name of {e}")[0].decode()
+            for e in exprs
+        ]
         return cubin, lowered
     finally:
         nv.nvrtcDestroyProgram(prog)
@@ -160,7 +167,9 @@ def _first_error(log: str) -> str:
 # --- compile, with the cache ------------------------------------------------------------------
 
 
-def compile_stem(stem: str, arch: str = "sm_90", directory: Path | None = None, *, cache: bool = True) -> list[Compiled]:
+def compile_stem(
+    stem: str, arch: str = "sm_90", directory: Path | None = None, *, cache: bool = True
+) -> list[Compiled]:
     """Compile all instantiations of ``kernels_cu/<stem>.cu`` for ``arch``.
 
     ``directory``: another folder of kernel sources to compile instead (default: the package's
@@ -170,7 +179,9 @@ def compile_stem(stem: str, arch: str = "sm_90", directory: Path | None = None, 
     exprs = _kernels.instantiations()[stem]
     code = _runtime.source(stem, directory)
     filename = f"{stem}.cu"
-    key = _cache.digest(code, "\0".join(exprs), " ".join(options(arch)), "nvrtc %d.%d" % nvrtc_version())
+    key = _cache.digest(
+        code, "\0".join(exprs), " ".join(options(arch)), "nvrtc {}.{}".format(*nvrtc_version())
+    )
     if cache:
         hit = _load(key, stem, exprs)
         if hit is not None:
@@ -189,7 +200,13 @@ def compile_stem(stem: str, arch: str = "sm_90", directory: Path | None = None, 
     cubin, lowered = result
     seconds = time.perf_counter() - start
     if cache:
-        meta = {"stem": stem, "arch": arch, "expressions": exprs, "lowered": lowered, "cubin_bytes": len(cubin)}
+        meta = {
+            "stem": stem,
+            "arch": arch,
+            "expressions": exprs,
+            "lowered": lowered,
+            "cubin_bytes": len(cubin),
+        }
         if _cache.store("offline", f"{key}.cubin", cubin):
             _cache.store("offline", f"{key}.json", json.dumps(meta).encode())
     return [Compiled(stem, e, low, len(cubin), seconds) for e, low in zip(exprs, lowered, strict=True)]

@@ -36,6 +36,19 @@ def lookup(key: Any, build: Callable[[], Any]) -> Any:
     return plan
 
 
+def find(key: Any) -> Any:
+    """The plan stored under ``key``, or None (the torch fast paths: no build on a miss)."""
+    return _plans.get(key)
+
+
+def remember(key: Any, plan: Any) -> None:
+    """Store ``plan`` under a second key too (a fast path's shorter signature)."""
+    with _lock:
+        if len(_plans) >= LIMIT:
+            _plans.clear()
+        _plans[key] = plan
+
+
 def launcher(kernel: Any, targs: tuple, device: int) -> _runtime.Launcher:
     """The launcher of one instantiation, shared by every plan that uses it."""
     return lookup(

@@ -142,7 +142,9 @@ def combine(
                               empty_shards, n),
             out, out_lse, nan_empty,
         )  # fmt: skip
-    a = _validate(torch, v, s, N, scatter, lse_base, wire_dtype, sinks, out, out_lse, out_scale, empty_shards, n)
+    a = _validate(
+        torch, v, s, N, scatter, lse_base, wire_dtype, sinks, out, out_lse, out_scale, empty_shards, n
+    )
     if out is None:
         out = torch.empty((a.T, a.Hn, a.D), dtype=getattr(torch, a.out_dtype), device=v.device)
     if out_lse is None and return_lse:
@@ -178,7 +180,9 @@ def _group(torch: Any, group: Any, arg: str) -> tuple[Any, int, int]:
         raise ValueError(f"{arg}: torch.distributed is not initialised (call init_process_group first)")
     pg = dist.group.WORLD if group is None else group
     if not isinstance(pg, dist.ProcessGroup):
-        raise TypeError(f"{arg}: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+        raise TypeError(
+            f"{arg}: expected a torch.distributed ProcessGroup or None, got {type(group).__name__}"
+        )
     rank = pg.rank()
     if rank < 0:
         raise ValueError(f"{arg}: this process is not a member of the group")
@@ -202,7 +206,8 @@ def _validate(
     """Every check of a call, on the host, before anything is allocated or written."""
     vt = _checks.tensor_view(_view(torch, v, n("v")), n("v"), 3, _dtypes.V_IN)
     T, H, D = vt.shape
-    _checks.unit_last_stride(vt, n("v"))
+    if vt.numel:  # a zero-size tensor's strides mean nothing
+        _checks.unit_last_stride(vt, n("v"))
     st = _checks.tensor_view(_view(torch, s, n("s")), n("s"), 2, _dtypes.LSE)
     _checks.shape(st, n("s"), (T, H), "T, H")
     if T >= 2**31 or H >= 2**31:
@@ -222,7 +227,8 @@ def _validate(
     if out is not None:
         o = _checks.tensor_view(_view(torch, out, n("out")), n("out"), 3, _dtypes.V_OUT)
         _checks.shape(o, n("out"), (T, Hn, D), "T, heads of this rank, D")
-        _checks.unit_last_stride(o, n("out"))
+        if o.numel:
+            _checks.unit_last_stride(o, n("out"))
         named.append((n("out"), o))
     if out_lse is not None:
         ol = _checks.tensor_view(_view(torch, out_lse, n("out_lse")), n("out_lse"), 2, _dtypes.LSE)
@@ -321,15 +327,19 @@ def _pack_lse(a: _Args, dst: Any, stream: int) -> None:
 def _combine_kernel(a: _Args, N, rank, lses_ptr, l_sn, buf, out_lse, lse_h0, nan_empty, stream) -> None:
     vt, T, H, D = a.v, a.T, a.H, a.D
     vec = 16 // _dtypes.itemsize(vt.dtype)
-    if D % vec or vt.ptr % 16 or vt.strides[0] % vec or vt.strides[1] % vec:
+    wire_ptr = buf.data_ptr()  # the output itself when the collective writes it: any alignment
+    aligned = vt.ptr % 16 == 0 and wire_ptr % (vec * _dtypes.itemsize(a.wire)) == 0
+    if D % vec or not aligned or vt.strides[0] % vec or vt.strides[1] % vec:
         vec = 1
     ol = None if out_lse is None else view(out_lse, "out_lse")
     tile, blocks = _tiles(T * H, _kernels.CP_COMBINE.block)
     k, inv_k = _BASES[a.base]
-    launch = _plans.launcher(_kernels.CP_COMBINE, (_dtypes.ctype(vt.dtype), _dtypes.ctype(a.wire), vec), a.device)
+    launch = _plans.launcher(
+        _kernels.CP_COMBINE, (_dtypes.ctype(vt.dtype), _dtypes.ctype(a.wire), vec), a.device
+    )
     launch(
         blocks, stream,
-        vt.ptr, vt.strides[0], vt.strides[1], lses_ptr, l_sn, buf.data_ptr(),
+        vt.ptr, vt.strides[0], vt.strides[1], lses_ptr, l_sn, wire_ptr,
         ol.ptr if ol else 0, ol.strides[0] if ol else 0, ol.strides[1] if ol else 0,
         a.sinks.ptr if a.sinks else 0,
         N, rank, T, H, D, a.Hn if buf.dim() == 4 else H, lse_h0, a.Hn,
@@ -343,7 +353,9 @@ def _finalize(a: _Args, red: Any, o: Tensor, stream: int) -> None:
     if D % vec or o.ptr % (vec * _dtypes.itemsize(o.dtype)) or o.strides[0] % vec or o.strides[1] % vec:
         vec = 1
     tile, blocks = _tiles(T * Hn, _kernels.CP_FINALIZE.block)
-    launch = _plans.launcher(_kernels.CP_FINALIZE, (_dtypes.ctype(a.wire), _dtypes.ctype(o.dtype), vec), a.device)
+    launch = _plans.launcher(
+        _kernels.CP_FINALIZE, (_dtypes.ctype(a.wire), _dtypes.ctype(o.dtype), vec), a.device
+    )
     launch(
         blocks, stream, red.data_ptr(), o.ptr, o.strides[0], o.strides[1], T, Hn, D,
         _lanes(D, vec), tile, a.scale.ptr if a.scale else 0,
@@ -390,7 +402,9 @@ def _host_combine(torch, pg, N, rank, n, scatter, return_lse, validate, out, out
     rows = table.tolist()
     rejected = [r for r, row in enumerate(rows) if row[0] == 0]
     if rejected:
-        raise ValueError(f"cp_merge: rank(s) {rejected} of the group rejected their arguments; nothing was written")
+        raise ValueError(
+            f"cp_merge: rank(s) {rejected} of the group rejected their arguments; nothing was written"
+        )
     for i, field in enumerate(_AGREE, start=1):
         values = [row[i] for row in rows]
         if len(set(values)) > 1:

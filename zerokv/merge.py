@@ -7,11 +7,13 @@ calls of one signature, launch. CPU tensors run the float64 reference (``zerokv.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from . import _argchecks as _checks
 from . import _dtypes, _host, _kernels, _plans, _runtime
 from ._call import Call, read
+from ._tensors import torch_tensor_type
 
 _NAMES2 = ("v_a", "s_a", "v_b", "s_b", "out", "out_lse")
 
@@ -102,16 +104,29 @@ def _merge2(
 ):  # fmt: skip
     if allocate_lse is None:
         allocate_lse = out is None
-    scalars = (lse_base, prefix_rows is None, suffix_verbatim, allocate_lse)
+    fast_key = None
     if a_empty is None and out_scale is None and sinks is None and row_mask is None:
-        objs = (v_a, s_a, v_b, s_b, out, out_lse)  # the common call: no optional tensor to read
+        if type(v_a) is torch_tensor_type() and (out is None or type(out) is type(v_a)):
+            # the engine call: torch tensors, no optional tensor; its plan checks the rest
+            fast_key = (
+                "merge_state:torch", lse_base, prefix_rows is None, suffix_verbatim, allocate_lse,
+                out_lse is None, v_a.dtype, None if out is None else out.dtype, v_a.get_device(),
+            )  # fmt: skip
+            plan = _plans.find(fast_key)
+            if plan is not None:
+                done = plan.torch_call(v_a, s_a, v_b, s_b, out, out_lse, prefix_rows)
+                if done is not None:
+                    return done
+        objs = (v_a, s_a, v_b, s_b, out, out_lse)
     else:
         cu, lens = (None, None) if a_empty is None else _checks.pair(a_empty, _name(names, "a_empty"))
         objs = (v_a, s_a, v_b, s_b, out, out_lse, cu, lens, row_mask, out_scale, sinks)
-    call = Call("merge_state", objs, scalars)
+    call = Call("merge_state", objs, (lse_base, prefix_rows is None, suffix_verbatim, allocate_lse))
     if call.device < 0:
         return _host.merge_two(call, lambda: _validate_two(call, prefix_rows, names), prefix_rows)
     plan = _plans.lookup(call.key(_aligned_two(call)), lambda: _MergeTwoPlan(call, prefix_rows, names))
+    if fast_key is not None and call.is_torch:
+        _plans.remember(fast_key, plan)
     return plan(call, prefix_rows, names)
 
 
@@ -125,11 +140,9 @@ def _name(names: dict[str, str] | None, arg: str) -> str:
 def _validate_two(call: Call, prefix_rows: Any, names: dict[str, str] | None) -> dict[str, Any]:
     """Every check of a two-way merge, on the host; returns the validated facts."""
     n = {a: _name(names, a) for a in (*_NAMES2, "a_empty", "prefix_rows", "out_scale", "sinks", "mask")}
-    t = call.views(("v_a", "s_a", "v_b", "s_b", "out", "out_lse", "cu", "lens", "mask", "out_scale", "sinks"))
-    t = {
-        k: t.get(k)
-        for k in ("v_a", "s_a", "v_b", "s_b", "out", "out_lse", "cu", "lens", "mask", "out_scale", "sinks")
-    }
+    keys = ("v_a", "s_a", "v_b", "s_b", "out", "out_lse", "cu", "lens", "mask", "out_scale", "sinks")
+    shown = (*(n[k] for k in keys[:6]), f"{n['a_empty']}[0]", f"{n['a_empty']}[1]", n["mask"], n["out_scale"])
+    t = call.views(keys, (*shown, n["sinks"]))
     va = _checks.tensor_view(t["v_a"], n["v_a"], 3, _dtypes.V_IN)
     T, H, D = va.shape
     vb = _checks.tensor_view(t["v_b"], n["v_b"], 3, _dtypes.V_IN)
@@ -216,6 +229,8 @@ class _MergeTwoPlan:
         targs = (_dtypes.ctype(va.dtype), _dtypes.ctype(out_dtype), vec)
         self.launch = _plans.launcher(_kernels.MERGE_STATE, targs, v["device"])
         self.block = _kernels.MERGE_STATE.block
+        self.sms = _runtime.sm_count(v["device"])
+        self.device = v["device"]
         self.vec = vec
         self.in_dtype, self.out_dtype = va.dtype, out_dtype
         self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
@@ -223,6 +238,97 @@ class _MergeTwoPlan:
         self.allocate_lse = call.scalars[3]
         self.itemsizes = [None if d is None else _dtypes.ITEMSIZE.get(d) for d in call.dtypes]
         self.a_is64 = int(len(call.dtypes) > 6 and call.dtypes[6] == "int64")
+        self.in_size, self.out_size = _dtypes.itemsize(va.dtype), _dtypes.itemsize(out_dtype)
+        if call.is_torch:
+            torch = sys.modules["torch"]
+            self.t_in, self.t_out, self.t_f32 = (getattr(torch, d) for d in (va.dtype, out_dtype, "float32"))
+            self.empty = torch.empty
+
+    def torch_call(self, v_a, s_a, v_b, s_b, out, out_lse, prefix_rows):
+        """The engine call (torch tensors, no optional tensor) in straight-line code: read each
+        tensor once, check what may change between calls of this signature, launch. Returns
+        None when the call is not for this plan or a check fails: the validating path then
+        finds the right plan or raises with the argument's name."""
+        try:
+            dev = self.device
+            f32 = self.t_f32
+            if (
+                v_b.dtype is not self.t_in or s_a.dtype is not f32 or s_b.dtype is not f32
+                or v_b.get_device() != dev or s_a.get_device() != dev or s_b.get_device() != dev
+            ):  # fmt: skip
+                return None
+            sha = v_a.shape
+            T, H, D = sha
+            th = (T, H)
+            if v_b.shape != sha or s_a.shape != th or s_b.shape != th or T == 0 or H == 0 or T >= 2**31:
+                return None
+            sta, stb, ssa, ssb = v_a.stride(), v_b.stride(), s_a.stride(), s_b.stride()
+            pa, pb, psa, psb = v_a.data_ptr(), v_b.data_ptr(), s_a.data_ptr(), s_b.data_ptr()
+            vec = self.vec
+            if D > 1 and (sta[2] != 1 or stb[2] != 1):
+                return None
+            if vec > 1 and ((pa | pb) & 15 or (sta[0] | sta[1] | stb[0] | stb[1] | D) & (vec - 1)):
+                return None
+            if prefix_rows is not None and (type(prefix_rows) is not int or not 0 <= prefix_rows <= T):
+                return None
+            # bytes each tensor spans (torch strides are never negative)
+            isz = self.in_size
+            end_a = pa + ((T - 1) * sta[0] + (H - 1) * sta[1] + D) * isz
+            end_b = pb + ((T - 1) * stb[0] + (H - 1) * stb[1] + D) * isz
+            end_sa = psa + ((T - 1) * ssa[0] + (H - 1) * ssa[1] + 1) * 4
+            end_sb = psb + ((T - 1) * ssb[0] + (H - 1) * ssb[1] + 1) * 4
+            if out is None:
+                out = self.empty(sha, dtype=self.t_out, device=v_a.device)
+                po, sto = out.data_ptr(), (H * D, D, 1)
+                end_o = 0
+            else:
+                if out.get_device() != dev or out.shape != sha or out.requires_grad or out.is_inference():
+                    return None
+                po, sto = out.data_ptr(), out.stride()
+                if (D > 1 and sto[2] != 1) or (T > 1 and sto[0] == 0) or (H > 1 and sto[1] == 0):
+                    return None
+                if vec > 1 and (po & (vec * self.out_size - 1) or (sto[0] | sto[1]) & (vec - 1)):
+                    return None
+                end_o = po + ((T - 1) * sto[0] + (H - 1) * sto[1] + D) * self.out_size
+                same = self.t_in is self.t_out
+                if po < end_a and pa < end_o and not (same and po == pa and sto == sta):
+                    return None
+                if po < end_b and pb < end_o and not (same and po == pb and sto == stb):
+                    return None
+                if (po < end_sa and psa < end_o) or (po < end_sb and psb < end_o):
+                    return None
+            if out_lse is None and self.allocate_lse:
+                out_lse = self.empty(th, dtype=f32, device=v_a.device)
+                pl, stl = out_lse.data_ptr(), (H, 1)
+            elif out_lse is not None:
+                if (
+                    out_lse.dtype is not f32 or out_lse.get_device() != dev or out_lse.shape != th
+                    or out_lse.requires_grad or out_lse.is_inference()
+                ):  # fmt: skip
+                    return None
+                pl, stl = out_lse.data_ptr(), out_lse.stride()
+                if (T > 1 and stl[0] == 0) or (H > 1 and stl[1] == 0):
+                    return None
+                end_l = pl + ((T - 1) * stl[0] + (H - 1) * stl[1] + 1) * 4
+                if pl < end_sa and psa < end_l and not (pl == psa and stl == ssa):
+                    return None
+                if pl < end_sb and psb < end_l and not (pl == psb and stl == ssb):
+                    return None
+                if (pl < end_a and pa < end_l) or (pl < end_b and pb < end_l) or (pl < end_o and po < end_l):
+                    return None
+            else:
+                pl, stl = 0, (0, 0)
+        except (AttributeError, TypeError, ValueError):  # not torch tensors, or not 3-D / 2-D
+            return None
+        lanes = _lanes(D, vec, T * H, self.sms)
+        self.launch(
+            -(-T * H * lanes // self.block), _torch_stream(dev),
+            pa, sta[0], sta[1], pb, stb[0], stb[1], po, sto[0], sto[1],
+            psa, ssa[0], ssa[1], psb, ssb[0], ssb[1], pl, stl[0], stl[1],
+            T, H, D, lanes, int(ssa[0] == 1 and ssa[1] != 1), T if prefix_rows is None else prefix_rows,
+            self.verbatim, 0, 0, 0, 0, 0, 0, self.k, self.inv_k, 0,
+        )  # fmt: skip
+        return out, out_lse
 
     def __call__(self, call: Call, prefix_rows: Any, names: dict[str, str] | None) -> tuple[Any, Any]:
         f = call.facts
@@ -245,7 +351,7 @@ class _MergeTwoPlan:
             ol = read(out_lse)
         if T * H == 0:
             return out, out_lse
-        lanes = _lanes(D, self.vec)
+        lanes = _lanes(D, self.vec, T * H, self.sms)
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
@@ -393,6 +499,7 @@ class _MergeNPlan:
         targs = (_dtypes.ctype(vt.dtype), _dtypes.ctype(out_dtype), vec)
         self.launch = _plans.launcher(_kernels.MERGE_STATES, targs, v["device"])
         self.block = _kernels.MERGE_STATES.block
+        self.sms = _runtime.sm_count(v["device"])
         self.vec = vec
         self.in_dtype, self.out_dtype = vt.dtype, out_dtype
         self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
@@ -414,7 +521,7 @@ class _MergeNPlan:
             ol = read(out_lse)
         if T * H == 0:
             return out, out_lse
-        lanes = _lanes(D, self.vec)
+        lanes = _lanes(D, self.vec, T * H, self.sms)
         vs, ss, os_ = v[2], s[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
         self.launch(
@@ -446,17 +553,29 @@ def _fast_checks_n(f: list) -> bool:
     return not (scale is not None and _numel(scale[1]) != 1)
 
 
+def _torch_stream(device: int) -> int:
+    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
+
+
 # --- geometry -----------------------------------------------------------------------------------
 
 _LOG2E = 1.4426950408889634
 _BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
 
 
-def _lanes(D: int, vec: int) -> int:
-    """Threads per row: the row's packs, rounded up to a power of two, at most 32 (a row group
-    stays within one warp)."""
+# Packs of V a thread carries (loads in flight) at most: the kernels' U.
+_PACKS_PER_THREAD = 4
+# Threads per SM worth launching before a thread takes more packs of its row (ILP over TLP).
+_THREADS_PER_SM = 2048
+
+
+def _lanes(D: int, vec: int, rows: int, sms: int) -> int:
+    """Threads per row: the row's packs rounded up to a power of two, at most 32 (a row group
+    stays within one warp); halved while each thread carries fewer than 4 packs and the grid
+    would still fill every SM, so that large batches keep more bytes in flight per thread and
+    small ones finish in one round trip."""
     packs = D // vec
-    return min(32, 1 << max(0, packs - 1).bit_length())
-
-
-_ = _runtime  # the plans launch through the runtime
+    lanes = min(32, 1 << max(0, packs - 1).bit_length())
+    while lanes > 1 and lanes * _PACKS_PER_THREAD > packs and rows * (lanes // 2) >= sms * _THREADS_PER_SM:
+        lanes //= 2
+    return lanes

@@ -182,7 +182,9 @@ def run_gpu() -> list[Row]:
         lse.fill_(float("nan"))
         us, gbps = timed(lambda: zerokv.merge_states(v, s, out=out, out_lse=lse), nbytes)
         ro, rl = reference.merge_states(*f64(v, s, axis=1))
-        rows.append(Row("merge_states", name, f"2x{shape}", _err(*f64(out), ro, *f64(lse), rl), tol, us, gbps))
+        rows.append(
+            Row("merge_states", name, f"2x{shape}", _err(*f64(out), ro, *f64(lse), rl), tol, us, gbps)
+        )
 
         if dtype == torch.bfloat16:
             rows.append(_fp8_row(va, sa, vb, sb, timed, f64))

@@ -1,0 +1,295 @@
+"""Context-parallel combine on two GPUs: ``cp_merge`` beside a combine in vLLM's design and the
+collectives alone (``python -m bench --only cp``).
+
+Two processes are spawned, one per GPU, joined in an NCCL group; rank 0 reports. Per T in
+(1, 64, 1024, 8192), H = 128, D = 512, bf16 partial outputs, heads scattered over the two ranks:
+
+* ``zerokv``: ``cp_merge`` with the float32 wire (the default); ``zerokv bf16 wire``: the same
+  summing in bf16, as vLLM does.
+* ``vLLM design``: vLLM's ``cp_lse_ag_out_rs`` steps in torch: an all-gather of the LSE, the
+  rescale by ``exp(lse_r - lse)`` in eager torch ops (in place, as vLLM's kernel does), the
+  transpose copy to head-major, a bf16 reduce-scatter, the transpose copy back.
+* ``collectives fp32`` / ``collectives bf16``: the all-gather of the LSE and the reduce-scatter of
+  the ``[N, T, H/N, D]`` buffer in that dtype, nothing else: the floor of each wire.
+
+µs: GPU time per call from replaying a CUDA graph of several calls (the collectives inside),
+both ranks in step; "1 call" is the CUDA-event time of one eager call. Inputs rotate over sets
+that exceed twice the L2 where a shape allows. The error is against the float64 merge of both
+ranks' inputs on a sample of rows. ``--dry-run``: two gloo processes on the CPU, tiny shapes,
+synthetic times. Without two GPUs the part reports itself skipped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .common import Bench, Row, Task, max_error
+
+OP = "cp_merge"
+ZEROKV, ZEROKV_BF16, VLLM = "zerokv", "zerokv bf16 wire", "vLLM design"
+COLL_FP32, COLL_BF16 = "collectives fp32", "collectives bf16"
+WORLD = 2
+SAMPLE = 128  # (token, head) rows checked against the float64 reference
+
+
+def grid(mode: str) -> tuple[tuple[int, ...], int, int]:
+    """(T values, H, D)."""
+    if mode == "dry":
+        return (1, 5), 4, 8
+    return (1, 64, 1024, 8192), 128, 512
+
+
+def tasks(b: Bench, part: str) -> list[Task]:
+    return [Task(part, f"{OP} on {WORLD} GPUs (T = {', '.join(map(str, grid(b.mode)[0]))})", run)]
+
+
+def run(b: Bench) -> list[Row]:
+    torch = b.torch
+    Ts, H, D = grid(b.mode)
+    if not b.dry and torch.cuda.device_count() < WORLD:
+        note = f"skipped: needs {WORLD} GPUs, {torch.cuda.device_count()} found"
+        return [Row(op=OP, impl=ZEROKV, dtype="bf16", H=H, D=D, note=note)]
+    with tempfile.TemporaryDirectory() as d:
+        torch.multiprocessing.start_processes(
+            _worker, args=(f"file://{d}/store", d, b.mode, b.l2_bytes), nprocs=WORLD, join=True,
+            start_method="spawn",
+        )  # fmt: skip
+        return [Row(**r) for r in json.loads(Path(d, "rows.json").read_text())]
+
+
+# --- the implementations -------------------------------------------------------------------------
+
+
+def _collectives(torch: Any) -> tuple[Any, Any]:
+    dist = torch.distributed
+    ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return ag, rs
+
+
+def vllm_design(torch: Any, v: Any, s: Any, N: int, rank: int) -> tuple[Any, Any]:
+    """vLLM's AG + RS combine, step for step, in torch: returns ``(out [T, H/N, D], lse [T, H])``;
+    rescales ``v`` in place."""
+    all_gather, reduce_scatter = _collectives(torch)
+    T, H, D = v.shape
+    lse = s.contiguous()
+    lses = torch.empty((N * T, H), dtype=torch.float32, device=v.device)
+    all_gather(lses.view(-1), lse.view(-1))
+    lses = lses.view(N, T, H)
+    inf = float("inf")
+    clean = torch.where(torch.isnan(lses) | (lses == inf), -inf, lses)
+    m = clean.amax(0)
+    m = torch.where(m == -inf, 0.0, m)
+    g = torch.log(torch.exp(clean - m).sum(0)) + m
+    f = lses[rank] - g
+    f = torch.exp(torch.where(torch.isnan(f) | (f == inf), -inf, f))
+    v.mul_(f.unsqueeze(-1))
+    v.masked_fill_((f == 0).unsqueeze(-1), 0.0)
+    x = v.movedim(0, 1).contiguous()  # [H, T, D]: vLLM's reduce_scatter(dim=1)
+    y = torch.empty((H // N, T, D), dtype=v.dtype, device=v.device)
+    reduce_scatter(y.view(-1), x.view(-1))
+    return y.movedim(0, 1).contiguous(), g
+
+
+# --- one process per GPU --------------------------------------------------------------------------
+
+
+def _worker(rank: int, init: str, outdir: str, mode: str, l2_bytes: int) -> None:
+    import torch
+
+    dry = mode == "dry"
+    if not dry:
+        torch.cuda.set_device(rank)
+    dist = torch.distributed
+    dist.init_process_group("gloo" if dry else "nccl", init_method=init, rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=600))  # fmt: skip
+    try:
+        rows = _measure_all(torch, rank, mode, l2_bytes)
+        if rank == 0:
+            Path(outdir, "rows.json").write_text(json.dumps([asdict(r) for r in rows]))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_all(torch: Any, rank: int, mode: str, l2_bytes: int) -> list[Row]:
+    dry = mode == "dry"
+    dev = torch.device("cpu") if dry else torch.device("cuda", rank)
+    timer = _FakeTimer() if dry else _PairTimer(torch)
+    Ts, H, D = grid(mode)
+    rows: list[Row] = []
+    for T in Ts:
+        rows += _measure(torch, timer, rank, dev, T, H, D, l2_bytes)
+        if not dry:
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _measure(torch: Any, timer: Any, rank: int, dev: Any, T: int, H: int, D: int, l2_bytes: int) -> list[Row]:
+    import zerokv
+
+    all_gather, reduce_scatter = _collectives(torch)
+    N, Hn = WORLD, H // WORLD
+    set_bytes = T * H * (D * 2 + 4)
+    count = 1 if set_bytes > 2 * l2_bytes else max(3, int(2 * l2_bytes // set_bytes) + 1)
+    gen = torch.Generator(device=dev).manual_seed(1000 * T + rank)
+    pool_v = torch.randn((count, T, H, D), generator=gen, device=dev).to(torch.bfloat16)
+    pool_s = torch.randn((count, T, H), generator=gen, device=dev) * 3
+    sets = [(pool_v[k], pool_s[k]) for k in range(count)]
+    wires = {t: torch.empty((N * T * Hn * D,), dtype=t, device=dev) for t in (torch.float32, torch.bfloat16)}
+    reduced = {t: torch.empty((T * Hn * D,), dtype=t, device=dev) for t in wires}
+    lses = torch.empty((N * T * H,), dtype=torch.float32, device=dev)
+
+    def coll(wire_t: Any, v: Any, s: Any) -> None:
+        all_gather(lses, s.view(-1))
+        reduce_scatter(reduced[wire_t], wires[wire_t])
+
+    impls = [
+        (ZEROKV, lambda v, s: zerokv.cp_merge(v, s)),
+        (ZEROKV_BF16, lambda v, s: zerokv.cp_merge(v, s, wire_dtype=torch.bfloat16)),
+        (VLLM, lambda v, s: vllm_design(torch, v, s, N, rank)[0]),
+        (COLL_FP32, lambda v, s: coll(torch.float32, v, s)),
+        (COLL_BF16, lambda v, s: coll(torch.bfloat16, v, s)),
+    ]
+    rows = []
+    for impl, call in impls:
+        err = None
+        if not impl.startswith("collectives"):
+            v0, s0 = sets[0]
+            err = _check(torch, call(v0.clone(), s0), v0, s0, rank, T, H, D)
+        us, event_us, stats = timer.time(call, sets, T)
+        rows.append(Row(op=OP, impl=impl, dtype="bf16", T=T, H=H, D=D, us=us, event_us=event_us,
+                        max_err=err, params={"N": N}, stats=stats))  # fmt: skip
+    return rows
+
+
+def _check(torch: Any, out: Any, v: Any, s: Any, rank: int, T: int, H: int, D: int) -> float | None:
+    """Max error of rank 0's heads on a sample of rows against the float64 merge of both
+    ranks' inputs (the sampled rows gathered from every rank)."""
+    from zerokv import reference
+
+    all_gather, _ = _collectives(torch)
+    Hn = H // WORLD
+    g = torch.Generator().manual_seed(7)
+    n = min(SAMPLE, T * Hn)
+    flat = torch.randperm(T * Hn, generator=g)[:n].to(v.device)
+    t, h = flat // Hn, flat % Hn
+    mine_v = v[t, h].float().contiguous()
+    mine_s = s[t, h].contiguous()
+    all_v = torch.empty((WORLD * n * D,), dtype=torch.float32, device=v.device)
+    all_s = torch.empty((WORLD * n,), dtype=torch.float32, device=v.device)
+    all_gather(all_v, mine_v.view(-1))
+    all_gather(all_s, mine_s)
+    if rank != 0:
+        return None
+    V = all_v.view(WORLD, n, 1, D).double().cpu().numpy()
+    S = all_s.view(WORLD, n, 1).double().cpu().numpy()
+    want, _ = reference.merge_states(V, S)
+    got = out[t, h].double().cpu().numpy()
+    return max_error(got, want[:, 0])
+
+
+class _PairTimer:
+    """GPU µs per call with both ranks in step: the counts depend on T only (never on a local
+    measurement), so both ranks capture and replay the same collectives."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.side = torch.cuda.Stream()
+
+    def time(self, call: Any, sets: list, T: int) -> tuple[float, float, dict]:
+        torch = self.torch
+        n, replays, reps = (50, 10, 20) if T <= 64 else ((10, 10, 10) if T <= 1024 else (3, 5, 5))
+        K = len(sets)
+        k = 0
+
+        def take(m: int) -> list:
+            nonlocal k
+            out = [sets[(k + j) % K] for j in range(m)]
+            k += m
+            return out
+
+        for s in take(min(K, 3) + 1):  # compile, NCCL set-up, first touch
+            call(*s)
+        torch.cuda.synchronize()
+        torch.distributed.barrier()
+        todo = take(reps)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in todo]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in todo]
+        torch.cuda._sleep(50_000_000)  # covers the host's enqueue of the batch (~25 ms at 2 GHz)
+        for a, e, s in zip(starts, ends, todo, strict=True):
+            a.record()
+            call(*s)
+            e.record()
+        torch.cuda.synchronize()
+        event_us = statistics.median(a.elapsed_time(e) * 1e3 for a, e in zip(starts, ends, strict=True))
+
+        graph = torch.cuda.CUDAGraph()
+        self.side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            for s in take(n):
+                call(*s)
+            graph.capture_end()
+        torch.cuda.current_stream().wait_stream(self.side)
+        graph.replay()  # uploads the graph
+        torch.cuda.synchronize()
+        torch.distributed.barrier()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+        marks[0].record()
+        for m in marks[1:]:
+            graph.replay()
+            m.record()
+        torch.cuda.synchronize()
+        per_call = [a.elapsed_time(b) * 1e3 / n for a, b in zip(marks, marks[1:], strict=False)]
+        del graph
+        stats = {"sets": K, "graph_calls": n, "replays": replays, "event_reps": reps,
+                 "replay_spread_us": [min(per_call), max(per_call)]}  # fmt: skip
+        return statistics.median(per_call), event_us, stats
+
+
+class _FakeTimer:
+    """--dry-run: each call runs twice, the time is synthetic."""
+
+    def time(self, call: Any, sets: list, T: int) -> tuple[float, float, dict]:
+        for s in sets[:2]:
+            call(*s)
+        us = 20.0 + T * 0.5
+        return us, us + 5.0, {"sets": len(sets), "timed_by": "fake"}
+
+
+def targets(rows: list[Row]) -> list[Any]:
+    """The issue's goals, for ``report.evaluate``: cp_merge no slower than the vLLM design at
+    every T, and within 1.2 x the collectives of its wire at T >= 1024."""
+    from .report import Target
+
+    def find(impl: str, T: int) -> Row | None:
+        return next((r for r in rows if r.op == OP and r.impl == impl and r.T == T and r.us), None)
+
+    out = []
+    Ts = sorted({r.T for r in rows if r.op == OP and r.T})
+    for impl, coll in ((ZEROKV, COLL_FP32), (ZEROKV_BF16, COLL_BF16)):
+        found = [(z.us / b.us, f"T={T}") for T in Ts if (z := find(impl, T)) and (b := find(VLLM, T))]
+        t = Target(f"{OP} {impl} / vLLM design, every T", "<= 1.00")
+        out.append(_worst(t, found, 1.0))
+        found = [
+            (z.us / c.us, f"T={T}") for T in Ts if T >= 1024 and (z := find(impl, T)) and (c := find(coll, T))
+        ]
+        t = Target(f"{OP} {impl} / {coll} alone, T >= 1024", "<= 1.20")
+        out.append(_worst(t, found, 1.2))
+    return out
+
+
+def _worst(t: Any, found: list[tuple[float, str]], goal: float) -> Any:
+    if not found:
+        return t
+    value, where = max(found)
+    missed = sum(v > goal for v, _ in found)
+    return t.judge(
+        value, goal, f"worst {value:.2f} x ({where}); {missed} of {len(found)} miss", at_least=False
+    )

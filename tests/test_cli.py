@@ -1,0 +1,208 @@
+"""``python -m zerokv``: --version, ``compile --arch`` (every supported arch, bad names, a missing
+cuda-bindings, a failing instantiation), and the self-check (every op; cached offline compile)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import zerokv
+from zerokv import _kernels, _offline, _runtime, selfcheck
+from zerokv.__main__ import main
+
+pytest.importorskip("cuda.bindings.nvrtc")
+
+# A header edit that breaks exactly the instantiations with an fp8 output.
+BROKEN = "if constexpr (is_fp8<T>::value) {"
+BREAK = BROKEN + ' static_assert(sizeof(T) != 1, "zerokv_test_broken_fp8");'
+TWO = ["merge_state_kernel<zk_bfloat16, zk_bfloat16, 8>", "merge_state_kernel<zk_bfloat16, zk_fp8_e4m3, 8>"]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    d = tmp_path / "zerokv-cache"
+    monkeypatch.setenv("ZEROKV_CACHE_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def broken_fp8(tmp_path, monkeypatch):
+    """kernels_cu with fp8 outputs broken, and merge reduced to two instantiations."""
+    copy = tmp_path / "kernels_cu"
+    shutil.copytree(_runtime.kernel_dir(), copy)
+    header = copy / "common.cuh"
+    text = header.read_text()
+    assert BROKEN in text
+    header.write_text(text.replace(BROKEN, BREAK))
+    monkeypatch.setattr(_runtime, "kernel_dir", lambda: copy)
+    monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: {"merge": list(TWO)})
+    return copy
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"zerokv {zerokv.__version__}"
+
+
+def test_version_as_a_module():
+    res = subprocess.run(
+        [sys.executable, "-m", "zerokv", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"zerokv {zerokv.__version__}"
+
+
+@pytest.mark.parametrize("arch", _offline.CI_ARCHS)
+def test_compile_every_instantiation_for(arch, capsys):
+    assert main(["compile", "--arch", arch]) == 0
+    out = capsys.readouterr().out
+    total = sum(len(e) for e in _kernels.instantiations().values())
+    assert f"{arch}: {total} instantiations" in out
+    for stem, exprs in _kernels.instantiations().items():
+        assert f" {stem} " in out and f"{len(exprs)} instantiations" in out
+
+
+@pytest.mark.parametrize(
+    ("arch", "message"),
+    [
+        ("sm_1", "sm_1: zerokv needs sm_80 or newer"),
+        ("sm_75", "sm_75: zerokv needs sm_80 or newer"),
+        ("hopper", "'hopper' is not an arch name"),
+        ("sm_90,sm_7x", "'sm_7x' is not an arch name"),
+        ("sm_999", "sm_999: NVRTC"),
+    ],
+)
+def test_bad_arch_is_refused_before_compiling(arch, message, capsys, monkeypatch):
+    monkeypatch.setattr(_offline, "compile_stem", lambda *a, **k: pytest.fail("compiled"))
+    assert main(["compile", "--arch", arch]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "valid: sm_80, sm_86" in err and "sm_90" in err and "sm_120" in err
+    assert "Traceback" not in err
+
+
+def test_missing_cuda_bindings_gives_the_install_command(capsys, monkeypatch):
+    import cuda.bindings
+
+    monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)  # `import` now raises ImportError
+    monkeypatch.delattr(cuda.bindings, "nvrtc", raising=False)
+    with pytest.raises(ImportError, match="pip install 'cuda-bindings"):
+        _offline.nvrtc()
+    assert main(["compile", "--arch", "sm_90"]) == 2
+    err = capsys.readouterr().err
+    assert "needs cuda-bindings: pip install 'cuda-bindings>=" in err
+    assert "zerokv[cuda1" in err
+    assert main(["compile", "--arch", "sm_1"]) == 2  # the name is still checked, from a fixed list
+    assert "valid: sm_80, sm_86, sm_89, sm_90, sm_100, sm_120" in capsys.readouterr().err
+
+
+def test_a_failing_instantiation_is_named_in_one_line(broken_fp8, cache_dir, capsys):
+    assert main(["compile", "--arch", "sm_90"]) == 1
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if "merge_state_kernel<" in line]
+    assert len(lines) == 1, out
+    assert TWO[1] in lines[0] and "zerokv_test_broken_fp8" in lines[0] and "sm_90" in lines[0]
+    assert "FAILED: 1 instantiations (--verbose shows NVRTC's log)" in out
+    assert len(out.splitlines()) <= 4, out  # no log without --verbose
+
+
+def test_verbose_shows_the_log(broken_fp8, cache_dir, capsys):
+    assert main(["compile", "--arch", "sm_90", "--verbose"]) == 1
+    out = capsys.readouterr().out
+    assert "merge.cu(" in out and "error" in out
+    assert out.count("zerokv_test_broken_fp8") >= 2  # the summary line and the log
+
+
+def test_compile_error_names_only_the_failing_instantiations(broken_fp8, cache_dir):
+    with pytest.raises(_offline.CompileError, match="NVRTC compile of merge.cu failed") as info:
+        _offline.compile_stem("merge", "sm_80")
+    assert [e for e, _ in info.value.failing] == [TWO[1]]
+    assert "merge.cu(" in info.value.log
+
+
+def test_second_compile_comes_from_the_cache(cache_dir, monkeypatch):
+    exprs = _kernels.instantiations()["empty_rows"][:2]
+    monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: {"empty_rows": exprs})
+    first = _offline.compile_stem("empty_rows", "sm_86")
+    assert not any(r.cached for r in first)
+
+    def refuse(*args):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(_offline, "_compile", refuse)
+    second = _offline.compile_stem("empty_rows", "sm_86")
+    assert all(r.cached for r in second)
+    assert [(r.expression, r.lowered_name, r.cubin_bytes) for r in second] == [
+        (r.expression, r.lowered_name, r.cubin_bytes) for r in first
+    ]
+    with pytest.raises(AssertionError, match="compiled again"):  # another arch: another entry
+        _offline.compile_stem("empty_rows", "sm_89")
+
+
+def test_an_edited_source_is_compiled_again(cache_dir, monkeypatch, tmp_path):
+    exprs = _kernels.instantiations()["empty_rows"][:1]
+    monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: {"empty_rows": exprs})
+    copy = tmp_path / "kernels_cu"
+    shutil.copytree(_runtime.kernel_dir(), copy)
+    assert not _offline.compile_stem("empty_rows", "sm_90", directory=copy)[0].cached
+    assert _offline.compile_stem("empty_rows", "sm_90", directory=copy)[0].cached
+    (copy / "common.cuh").write_text((copy / "common.cuh").read_text() + "\n// a comment changes the key\n")
+    assert not _offline.compile_stem("empty_rows", "sm_90", directory=copy)[0].cached
+
+
+def test_unwritable_cache_warns_once_and_compiles(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("ZEROKV_CACHE_DIR", str(blocker / "cache"))  # under a file: never creatable
+    exprs = _kernels.instantiations()["empty_rows"][:1]
+    monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: {"empty_rows": exprs})
+    from zerokv import _cache
+
+    monkeypatch.setattr(_cache, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="cannot write its cache") as record:
+        assert _offline.compile_stem("empty_rows", "sm_90")[0].lowered_name
+        assert _offline.compile_stem("empty_rows", "sm_90")[0].lowered_name
+    assert len([w for w in record if "cannot write its cache" in str(w.message)]) == 1
+
+
+# --- the self-check ---------------------------------------------------------------------------
+
+
+def test_selfcheck_cpu_covers_every_op():
+    rows = selfcheck.run_cpu()
+    assert [r.op for r in rows] == ["merge_state", "merge_states", "fixup_zero_kv_rows", "mask_empty_context"]
+    assert all(r.ok() for r in rows), [str(r) for r in rows]
+
+
+def test_selfcheck_without_a_gpu_reuses_compiled_kernels(cache_dir, monkeypatch, capsys):
+    monkeypatch.setattr(selfcheck, "gpu_available", lambda: False)
+    exprs = {stem: e[:1] for stem, e in _kernels.instantiations().items()}
+    monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: exprs)
+    n = len(exprs) * len(selfcheck.OFFLINE_ARCHS)
+    assert selfcheck.main() == 0
+    first = capsys.readouterr().out
+    assert f"compiled {n} kernel instantiations" in first and "(0 from the cache)" in first
+    assert selfcheck.main() == 0
+    second = capsys.readouterr().out
+    assert f"({n} from the cache)" in second
+    assert second.rstrip().endswith("ok")
+
+
+def test_selfcheck_fails_on_a_compile_error(broken_fp8, cache_dir, monkeypatch, capsys):
+    monkeypatch.setattr(selfcheck, "gpu_available", lambda: False)
+    assert selfcheck.main() == 1
+    out = capsys.readouterr().out
+    assert TWO[1] in out and out.rstrip().endswith("FAILED")
+
+
+def test_selfcheck_warns_about_two_cupy_packages(monkeypatch):
+    real = selfcheck._dist
+    monkeypatch.setattr(selfcheck, "_dist", lambda d: "14.2.0" if d.startswith("cupy-cuda") else real(d))
+    line, warnings = selfcheck.environment()
+    assert "cupy-cuda12x 14.2.0" in line and "cupy-cuda13x 14.2.0" in line
+    assert len(warnings) == 1 and "pip uninstall -y cupy-cuda12x cupy-cuda13x" in warnings[0]
