@@ -11,6 +11,8 @@ Two processes are spawned, one per GPU, joined in an NCCL group; rank 0 reports.
   transpose copy to head-major, a bf16 reduce-scatter, the transpose copy back.
 * ``collectives fp32`` / ``collectives bf16``: the all-gather of the LSE and the reduce-scatter of
   the ``[N, T, H/N, D]`` buffer in that dtype, nothing else: the floor of each wire.
+* ``..., no overlap``: where ``cp_merge`` pipelines (chunks of tokens, each chunk's collective
+  beside the next chunk's kernels), the same call run in one piece, to show what the overlap buys.
 
 µs: GPU time per call from replaying a CUDA graph of several calls (the collectives inside),
 both ranks in step; "1 call" is the CUDA-event time of one eager call. Inputs rotate over sets
@@ -22,6 +24,7 @@ synthetic times. Without two GPUs the part reports itself skipped.
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import statistics
 import tempfile
@@ -33,6 +36,7 @@ from .common import Bench, Row, Task, max_error
 
 OP = "cp_merge"
 ZEROKV, ZEROKV_BF16, VLLM = "zerokv", "zerokv bf16 wire", "vLLM design"
+NO_OVERLAP = ", no overlap"
 COLL_FP32, COLL_BF16 = "collectives fp32", "collectives bf16"
 WORLD = 2
 SAMPLE = 128  # (token, head) rows checked against the float64 reference
@@ -156,6 +160,20 @@ def _measure(torch: Any, timer: Any, rank: int, dev: Any, T: int, H: int, D: int
         (COLL_FP32, lambda v, s: coll(torch.float32, v, s)),
         (COLL_BF16, lambda v, s: coll(torch.bfloat16, v, s)),
     ]
+    cpm = importlib.import_module("zerokv.cp_merge")
+    if len(cpm._chunks(T, H * D * 2, N)) > 1:  # pipelined here: the same without the overlap
+
+        def serial(call: Any) -> Any:
+            def run(v: Any, s: Any) -> Any:
+                saved, cpm._OVERLAP_MIN_BYTES = cpm._OVERLAP_MIN_BYTES, 1 << 62
+                try:
+                    return call(v, s)
+                finally:
+                    cpm._OVERLAP_MIN_BYTES = saved
+
+            return run
+
+        impls += [(ZEROKV + NO_OVERLAP, serial(impls[0][1])), (ZEROKV_BF16 + NO_OVERLAP, serial(impls[1][1]))]
     rows = []
     for impl, call in impls:
         err = None

@@ -341,7 +341,8 @@ def compile_child(which: str, cpu: bool) -> dict[str, Any]:
             t = time.perf_counter()
             try:
                 n = zerokv.precompile(ops=[op])  # every dtype: compiles and loads each instantiation
-            except ValueError:  # an op this version does not have
+            except Exception as e:  # an op this version does not have, or a failed compile
+                result.setdefault("errors", {})[op] = f"{type(e).__name__}: {e}"[:300]
                 continue
             result["items"][f"{op} ({n} instantiations)"] = time.perf_counter() - t
             count += n

@@ -52,6 +52,8 @@ __global__ void __launch_bounds__(ZK_BLOCK_cp_pack_lse_kernel) cp_pack_lse_kerne
 // Warp tiles as in the merge kernels: lane i takes row i of a tile of `tile_rows` rows and
 // reduces its N LSEs (phase 1); the warp then sweeps the tile's V, `lanes` threads per row,
 // CP_U rows in flight, each row's factor and offsets taken from its lane by shuffle (phase 2).
+// Warps stride over the tiles, so a grid smaller than the work leaves SMs to a collective
+// running beside it (the pipelined combine).
 constexpr int CP_U = 4;
 
 __device__ __forceinline__ bool usable_lse(float x) { return isfinite(x); }
@@ -67,99 +69,101 @@ __global__ void __launch_bounds__(ZK_BLOCK_cp_combine_kernel) cp_combine_kernel(
     i64 lanes, i64 tile_rows, i64 nan_empty, float k, float inv_k) {
   const int lane = threadIdx.x & 31;
   const i64 rows = T * H;
-  const i64 tile = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const i64 row = tile * tile_rows + lane;
+  const i64 tiles = (rows + tile_rows - 1) / tile_rows;
+  const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+  for (i64 tile = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; tile < tiles; tile += warps) {
+    const i64 row = tile * tile_rows + lane;
 
-  // -- phase 1: this lane's row --
-  const bool live = lane < tile_rows && row < rows;
-  float f = 0.f;
-  i64 v_off = 0, w_off = -1;  // w_off < 0: no row
-  if (live) {
-    i64 t, h;
-    split_row(row, H, rows, t, h);
-    const float* p = lses + t * H + h;
-    bool nan = false;
-    float m = neg_inf();
-    for (i64 n = 0; n < N; ++n) {
-      const float x = p[n * l_sn];
-      if (isnan(x)) nan |= !nan_empty;  // vLLM: a NaN LSE counts as empty
-      else if (usable_lse(x)) m = fmaxf(m, x);
-    }
-    const float sk = sinks != nullptr ? sinks[h] : neg_inf();
-    nan |= isnan(sk);
-    if (usable_lse(sk)) m = fmaxf(m, sk);
-    float lse = neg_inf();
-    if (nan) {
-      f = quiet_nan();
-      lse = quiet_nan();
-    } else if (sk > 0.f && !usable_lse(sk)) {  // a sink of +inf takes all the weight: (0, +inf)
-      lse = sk;
-    } else if (m != neg_inf()) {
-      float sum = usable_lse(sk) ? fast_exp2((sk - m) * k) : 0.f;
+    // -- phase 1: this lane's row --
+    const bool live = lane < tile_rows && row < rows;
+    float f = 0.f;
+    i64 v_off = 0, w_off = -1;  // w_off < 0: no row
+    if (live) {
+      i64 t, h;
+      split_row(row, H, rows, t, h);
+      const float* p = lses + t * H + h;
+      bool nan = false;
+      float m = neg_inf();
       for (i64 n = 0; n < N; ++n) {
-        const float x = p[n * l_sn];  // an L1 hit: read in the first loop
-        if (usable_lse(x)) sum += fast_exp2((x - m) * k);
+        const float x = p[n * l_sn];
+        if (isnan(x)) nan |= !nan_empty;  // vLLM: a NaN LSE counts as empty
+        else if (usable_lse(x)) m = fmaxf(m, x);
       }
-      const float own = p[rank * l_sn];
-      f = usable_lse(own) ? fast_exp2((own - m) * k) / sum : 0.f;  // sum >= 1: the max weighs 1
-      lse = m + fast_log2(sum) * inv_k;
+      const float sk = sinks != nullptr ? sinks[h] : neg_inf();
+      nan |= isnan(sk);
+      if (usable_lse(sk)) m = fmaxf(m, sk);
+      float lse = neg_inf();
+      if (nan) {
+        f = quiet_nan();
+        lse = quiet_nan();
+      } else if (sk > 0.f && !usable_lse(sk)) {  // a sink of +inf takes all the weight: (0, +inf)
+        lse = sk;
+      } else if (m != neg_inf()) {
+        float sum = usable_lse(sk) ? fast_exp2((sk - m) * k) : 0.f;
+        for (i64 n = 0; n < N; ++n) {
+          const float x = p[n * l_sn];  // an L1 hit: read in the first loop
+          if (usable_lse(x)) sum += fast_exp2((x - m) * k);
+        }
+        const float own = p[rank * l_sn];
+        f = usable_lse(own) ? fast_exp2((own - m) * k) / sum : 0.f;  // sum >= 1: the max weighs 1
+        lse = m + fast_log2(sum) * inv_k;
+      }
+      const i64 j = h / Hn;
+      w_off = ((j * T + t) * Hn + (h - j * Hn)) * D;
+      v_off = t * v_st + h * v_sh;
+      if (olse != nullptr && h >= lse_h0 && h < lse_h0 + lse_hn) olse[t * ol_st + (h - lse_h0) * ol_sh] = lse;
     }
-    const i64 j = h / Hn;
-    w_off = ((j * T + t) * Hn + (h - j * Hn)) * D;
-    v_off = t * v_st + h * v_sh;
-    if (olse != nullptr && h >= lse_h0 && h < lse_h0 + lse_hn) olse[t * ol_st + (h - lse_h0) * ol_sh] = lse;
-  }
 
-  // -- phase 2: the tile's V; f == 0 writes zeros and f NaN writes NaN, neither reads V --
-  const int per_pass = 32 / (int)lanes;
-  const int sub = lane / (int)lanes;
-  const int col = lane % (int)lanes;
-  const int passes = ((int)tile_rows + per_pass - 1) / per_pass;
-  for (int p0 = 0; p0 < passes; p0 += CP_U) {
-    float fu[CP_U];
-    i64 vo[CP_U], wo[CP_U];
-#pragma unroll
-    for (int u = 0; u < CP_U; ++u) {
-      const int src = (p0 + u) * per_pass + sub;  // the row's lane in the tile
-      fu[u] = __shfl_sync(0xffffffffu, f, src & 31);
-      vo[u] = __shfl_sync(0xffffffffu, v_off, src & 31);
-      wo[u] = __shfl_sync(0xffffffffu, w_off, src & 31);
-      if (p0 + u >= passes || src >= (int)tile_rows) wo[u] = -1;
-    }
-    for (i64 d = (i64)col * VEC; d < D; d += lanes * VEC) {
-      Pack<Tin, VEC> x[CP_U];
-#pragma unroll
-      for (int u = 0; u < CP_U; ++u)  // every load first: CP_U in flight
-        if (wo[u] >= 0 && fu[u] != 0.f && !isnan(fu[u])) x[u] = load_pack<Tin, VEC>(v + vo[u] + d);
+    // -- phase 2: the tile's V; f == 0 writes zeros and f NaN writes NaN, neither reads V --
+    const int per_pass = 32 / (int)lanes;
+    const int sub = lane / (int)lanes;
+    const int col = lane % (int)lanes;
+    const int passes = ((int)tile_rows + per_pass - 1) / per_pass;
+    for (int p0 = 0; p0 < passes; p0 += CP_U) {
+      float fu[CP_U];
+      i64 vo[CP_U], wo[CP_U];
 #pragma unroll
       for (int u = 0; u < CP_U; ++u) {
-        if (wo[u] < 0) continue;
-        float acc[VEC];
-        const bool read = fu[u] != 0.f && !isnan(fu[u]);
+        const int src = (p0 + u) * per_pass + sub;  // the row's lane in the tile
+        fu[u] = __shfl_sync(0xffffffffu, f, src & 31);
+        vo[u] = __shfl_sync(0xffffffffu, v_off, src & 31);
+        wo[u] = __shfl_sync(0xffffffffu, w_off, src & 31);
+        if (p0 + u >= passes || src >= (int)tile_rows) wo[u] = -1;
+      }
+      for (i64 d = (i64)col * VEC; d < D; d += lanes * VEC) {
+        Pack<Tin, VEC> x[CP_U];
 #pragma unroll
-        for (int q = 0; q < VEC; ++q) acc[q] = read ? fu[u] * to_float(x[u].v[q]) : fu[u];  // fu: 0 or NaN
-        store_pack<Tw, VEC>(wire + wo[u] + d, convert_pack<Tw, VEC>(acc, 1.f));
+        for (int u = 0; u < CP_U; ++u)  // every load first: CP_U in flight
+          if (wo[u] >= 0 && fu[u] != 0.f && !isnan(fu[u])) x[u] = load_pack<Tin, VEC>(v + vo[u] + d);
+#pragma unroll
+        for (int u = 0; u < CP_U; ++u) {
+          if (wo[u] < 0) continue;
+          float acc[VEC];
+          const bool read = fu[u] != 0.f && !isnan(fu[u]);
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) acc[q] = read ? fu[u] * to_float(x[u].v[q]) : fu[u];  // fu: 0 or NaN
+          store_pack<Tw, VEC>(wire + wo[u] + d, convert_pack<Tw, VEC>(acc, 1.f));
+        }
       }
     }
   }
 }
 
 // --- the reduced sum [T, Hn, D] (contiguous) to the output: dtype, strides, fp8 scale -----------
-// Warp tiles of `tile_rows` rows, `lanes` threads per row; a thread converts VEC elements a step.
+// `lanes` threads per row, 32 / lanes rows per warp, the grid striding over the rows; a thread
+// converts VEC elements a step.
 template <typename Tw, typename Tout, int VEC>
 __global__ void __launch_bounds__(ZK_BLOCK_cp_finalize_kernel) cp_finalize_kernel(
     const Tw* __restrict__ src, Tout* __restrict__ out, i64 o_st, i64 o_sh,
-    i64 T, i64 Hn, i64 D, i64 lanes, i64 tile_rows, const float* out_scale) {
+    i64 T, i64 Hn, i64 D, i64 lanes, const float* out_scale) {
   const int lane = threadIdx.x & 31;
   const i64 rows = T * Hn;
-  const i64 tile = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
   const int per_pass = 32 / (int)lanes;
-  const int sub = lane / (int)lanes;
+  const i64 step = (i64)gridDim.x * (blockDim.x >> 5) * per_pass;
   const int col = lane % (int)lanes;
   const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
-  for (int p = sub; p < (int)tile_rows; p += per_pass) {
-    const i64 row = tile * tile_rows + p;
-    if (row >= rows) break;
+  const i64 first = (((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * per_pass + lane / (int)lanes;
+  for (i64 row = first; row < rows; row += step) {
     i64 t, h;
     split_row(row, Hn, rows, t, h);
     const Tw* in = src + row * D;

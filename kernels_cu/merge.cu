@@ -52,36 +52,26 @@ __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, flo
   return factor;
 }
 
-// Row groups. Row (t, h) is merged by `lanes` threads of one warp (a power of two <= 32), each
-// taking packs p = lane, lane + lanes, ... of the row's D / VEC packs (VEC = 1: scalar path).
-// Rows are numbered along the LSE's unit-stride axis (t_inner: row = h * T + t, for an [H, T]
-// LSE buffer passed as .T; otherwise row = t * H + h), so the LSE accesses of a warp's row
-// groups are coalesced. Every thread issues its row's LSE loads and its first U packs of V
-// together (one round trip to memory for D <= U * lanes * VEC): the contract lets a kernel load
-// an empty input's V, since it lies inside the tensor; it never uses it (select, never x 0).
+// Row groups. Row (t, h) (numbered t * H + h, the order of V in memory) is merged by `lanes`
+// threads of one warp (a power of two <= 32), each taking packs p = lane, lane + lanes, ... of
+// the row's D / VEC packs (VEC = 1: scalar path), PPT of them per round: PPT = 1 with few
+// registers (full occupancy: the most threads in flight) or PPT = 4 (four packs of each input
+// in flight per thread) for wide rows. Every thread issues its row's LSE loads together with its
+// first round of V loads: one round trip to memory for most rows. The contract lets a kernel
+// load an empty input's V (it lies inside the tensor); it never uses it (select, never x 0).
 // The group's first lane writes the row's LSE after a __syncwarp, once every lane of the group
 // has read the input LSEs, so out_lse may alias s_a or s_b; each V pack is read and written by
 // one thread, so out may alias v_a or v_b.
-constexpr int U = 4;
 
-// (row / n, row % n) with 32-bit division when the operands allow (the common case).
-__device__ __forceinline__ void split_index(i64 row, i64 n, i64 rows, i64& q, i64& r) {
-  if (rows <= 0xffffffffLL) {
-    const unsigned qq = (unsigned)row / (unsigned)n;
+// (x / n, x % n) with 32-bit division when the operands allow (the common case).
+__device__ __forceinline__ void split_index(i64 x, i64 n, i64 limit, i64& q, i64& r) {
+  if (limit <= 0xffffffffLL) {
+    const unsigned qq = (unsigned)x / (unsigned)n;
     q = qq;
-    r = (unsigned)row - qq * (unsigned)n;
+    r = (unsigned)x - qq * (unsigned)n;
   } else {
-    q = row / n;
-    r = row - q * n;
-  }
-}
-
-// The (t, h) of a row group's row.
-__device__ __forceinline__ void row_coords(i64 row, i64 T, i64 H, i64 rows, i64 t_inner, i64& t, i64& h) {
-  if (t_inner) {
-    split_index(row, T, rows, h, t);
-  } else {
-    split_index(row, H, rows, t, h);
+    q = x / n;
+    r = x - q * n;
   }
 }
 
@@ -98,15 +88,18 @@ __device__ __forceinline__ void store_merged(Tout* dst, const Pack<Tin, VEC>& a,
   store_pack<Tout, VEC>(dst, convert_pack<Tout, VEC>(acc, inv_scale));
 }
 
-template <typename Tin, typename Tout, int VEC>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel) merge_state_kernel(
+// Blocks per SM the register budget must allow: full occupancy for one pack per thread.
+template <int PPT> struct MinBlocks { static constexpr int value = PPT == 1 ? 12 : (PPT == 2 ? 6 : 4); };
+
+template <typename Tin, typename Tout, int VEC, int PPT>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT>::value) merge_state_kernel(
     const Tin* va, i64 va_st, i64 va_sh,
     const Tin* vb, i64 vb_st, i64 vb_sh,
     Tout* out, i64 out_st, i64 out_sh,
     const float* sa, i64 sa_st, i64 sa_sh,
     const float* sb, i64 sb_st, i64 sb_sh,
     float* olse, i64 ol_st, i64 ol_sh,
-    i64 T, i64 H, i64 D, i64 lanes, i64 t_inner,
+    i64 T, i64 H, i64 D, i64 lanes,
     i64 prefix_rows,      // rows t >= prefix_rows take state b alone
     i64 suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
     const void* a_cu, const void* a_lens, i64 a_batch, i64 a_is64,  // requests with empty a
@@ -124,15 +117,17 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel) merge_state_kerne
 
   i64 t = 0, h = 0;
   float la = neg_inf(), lb = neg_inf();
-  Pack<Tin, VEC> a[U], b[U];
+  Pack<Tin, VEC> a[PPT], b[PPT];
+  const Tin* pa = va;
+  const Tin* pb = vb;
   if (live) {
-    row_coords(row, T, H, rows, t_inner, t, h);
+    split_index(row, H, rows, t, h);
     la = sa[t * sa_st + h * sa_sh];
     lb = sb[t * sb_st + h * sb_sh];
-    const Tin* pa = va + t * va_st + h * va_sh;
-    const Tin* pb = vb + t * vb_st + h * vb_sh;
+    pa = va + t * va_st + h * va_sh;
+    pb = vb + t * vb_st + h * vb_sh;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < PPT; ++u) {
       const i64 p = col + (i64)u * lanes;
       if (p < packs) {
         a[u] = load_pack<Tin, VEC>(pa + p * VEC);
@@ -142,7 +137,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel) merge_state_kerne
   }
 
   RowCoef c{0.f, 0.f, neg_inf()};
-  bool write = live && (row_mask == nullptr || row_mask[t] != 0);
+  const bool write = live && (row_mask == nullptr || row_mask[t] != 0);
   if (write) {
     bool use_a = t < prefix_rows;
     if (use_a && a_cu != nullptr) use_a = !row_in_empty_request(a_cu, a_lens, (int)a_is64, a_batch, T, t);
@@ -157,22 +152,17 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel) merge_state_kerne
         c.cb *= f;
       }
     }
-  }
-
-  const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
-  if (write) {
+    const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
     Tout* po = out + t * out_st + h * out_sh;
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < PPT; ++u) {
       const i64 p = col + (i64)u * lanes;
       if (p < packs) store_merged<Tin, Tout, VEC>(po + p * VEC, a[u], b[u], c.ca, c.cb, inv_scale);
     }
-    // wide rows (D > U * lanes * VEC): the rest, U packs per input in flight
-    const Tin* pa = va + t * va_st + h * va_sh;
-    const Tin* pb = vb + t * vb_st + h * vb_sh;
-    for (i64 p0 = col + (i64)U * lanes; p0 < packs; p0 += (i64)U * lanes) {
+    // rows wider than one round (D > PPT * lanes * VEC): the rest, PPT packs per input in flight
+    for (i64 p0 = col + (i64)PPT * lanes; p0 < packs; p0 += (i64)PPT * lanes) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < PPT; ++u) {
         const i64 p = p0 + (i64)u * lanes;
         if (p < packs) {
           a[u] = load_pack<Tin, VEC>(pa + p * VEC);
@@ -180,7 +170,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel) merge_state_kerne
         }
       }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int u = 0; u < PPT; ++u) {
         const i64 p = p0 + (i64)u * lanes;
         if (p < packs) store_merged<Tin, Tout, VEC>(po + p * VEC, a[u], b[u], c.ca, c.cb, inv_scale);
       }
@@ -193,7 +183,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel) merge_state_kerne
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both
 // [N, T, H, D] and [T, N, H, D] layouts work. The same row groups as merge_state_kernel: each
 // lane reduces its row's N LSEs (the group's lanes read the same addresses: one access), then
-// sweeps its packs over the inputs, U packs of NU inputs in flight, skipping the V of empty
+// sweeps its packs over the inputs, UN packs of NU inputs in flight, skipping the V of empty
 // inputs and of inputs whose weight underflows to 0. The outputs must not overlap the inputs.
 constexpr int NU = 4;
 constexpr int UN = 2;  // packs per input in flight: NU x UN loads, registers for 2 blocks of 128
@@ -204,7 +194,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_ker
     const float* __restrict__ s, i64 s_sn, i64 s_st, i64 s_sh,
     Tout* __restrict__ out, i64 out_st, i64 out_sh,
     float* __restrict__ olse, i64 ol_st, i64 ol_sh,
-    i64 N, i64 T, i64 H, i64 D, i64 lanes, i64 t_inner, const float* sinks, float k, float inv_k,
+    i64 N, i64 T, i64 H, i64 D, i64 lanes, const float* sinks, float k, float inv_k,
     const float* out_scale) {
   const i64 rows = T * H;
   const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -214,7 +204,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_ker
   if (row >= rows) return;  // no LSE is read and written by different lanes: no barrier needed
   const i64 packs = D / VEC;
   i64 t, h;
-  row_coords(row, T, H, rows, t_inner, t, h);
+  split_index(row, H, rows, t, h);
 
   // m = max of the non-empty LSEs, scale = 1 / sum of weights
   const float* ps = s + t * s_st + h * s_sh;

@@ -18,7 +18,11 @@ pytest.importorskip("cuda.bindings.nvrtc")
 # A header edit that breaks exactly the instantiations with an fp8 output.
 BROKEN = "if constexpr (is_fp8<T>::value) {"
 BREAK = BROKEN + ' static_assert(sizeof(T) != 1, "zerokv_test_broken_fp8");'
-TWO = ["merge_state_kernel<zk_bfloat16, zk_bfloat16, 8>", "merge_state_kernel<zk_bfloat16, zk_fp8_e4m3, 8>"]
+# One merge instantiation with a bf16 output, one with an fp8 output.
+TWO = [
+    next(e for e in _kernels.MERGE_STATE.expressions if e.startswith(f"{_kernels.MERGE_STATE.name}<{t}"))
+    for t in ("zk_bfloat16, zk_bfloat16,", "zk_bfloat16, zk_fp8_e4m3,")
+]
 
 
 @pytest.fixture

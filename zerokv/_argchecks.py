@@ -48,17 +48,22 @@ def index_view(t: Tensor | None, arg: str, length: int | None, device: int) -> T
     return t
 
 
-def offsets_pair(cu: Tensor | None, lens: Tensor | None, arg: str, device: int) -> tuple[Tensor, Tensor]:
-    """``(cu_seqlens_q [B + 1], kv_lens [B])``, one index dtype, on the states' device."""
+def offsets_pair(
+    cu: Tensor | None, lens: Tensor | None, arg: str, device: int, n_cu: str, n_lens: str
+) -> tuple[Tensor, Tensor]:
+    """``(cu_seqlens_q [B + 1], kv_lens [B])``, one index dtype, on the states' device;
+    ``n_cu``/``n_lens``: how the caller calls the two."""
     if cu is None or lens is None:
-        missing = f"{arg}[0] (cu_seqlens_q)" if cu is None else f"{arg}[1] (kv_lens)"
-        raise ValueError(f"{arg}: both cu_seqlens_q and kv_lens are needed; {missing} is None")
-    c = index_view(cu, f"{arg}[0] (cu_seqlens_q)", None, device)
+        missing = n_cu if cu is None else n_lens
+        raise ValueError(f"{arg}: both {n_cu} and {n_lens} are needed; {missing} is None")
+    c = index_view(cu, n_cu, None, device)
     if c.shape[0] < 1:
-        raise ValueError(f"{arg}[0] (cu_seqlens_q): expected B + 1 >= 1 entries, got 0")
-    ln = index_view(lens, f"{arg}[1] (kv_lens)", c.shape[0] - 1, device)
+        raise ValueError(f"{n_cu}: expected B + 1 >= 1 entries, got 0")
+    ln = index_view(lens, n_lens, c.shape[0] - 1, device)
     if ln.dtype != c.dtype:
-        raise TypeError(f"{arg}: cu_seqlens_q is {c.dtype} but kv_lens is {ln.dtype}; use one index dtype")
+        raise TypeError(
+            f"{n_lens}: dtype {ln.dtype} differs from {n_cu} dtype {c.dtype}; use one index dtype"
+        )
     return c, ln
 
 
@@ -92,20 +97,11 @@ def out_scale(t: Tensor | None, out_dtype: str, device: int, arg: str = "out_sca
 def outputs(outs: list, ins: list) -> None:
     """Every output writable, sharing no byte with another output or an input, except an exact
     alias of the inputs it names. ``outs``: ``[(name, Tensor | None, may_alias_names)]``;
-    ``ins``: ``[(name, Tensor)]``."""
+    ``ins``: ``[(name, Tensor | None)]`` (names as the caller knows them, each once)."""
     from . import _checks
 
-    present = [(n, t, a) for n, t, a in outs if t is not None]
-    for n, t, _ in present:
-        _checks.writable(t, n)
-    for i, (n, t, may_alias) in enumerate(present):
-        for n2, t2, _ in present[i + 1 :]:
-            if _checks.overlap(t, t2) != "none":
-                raise ValueError(f"{n} and {n2} share memory; the two outputs must not overlap")
-        for n2, t2 in ins:
-            kind = _checks.overlap(t, t2)
-            if kind == "none" or (kind == "alias" and n2 in may_alias):
-                continue
-            how = "is the same memory as" if kind == "alias" else "partially overlaps"
-            allowed = f" (it may alias only {' or '.join(may_alias)} exactly)" if may_alias else ""
-            raise ValueError(f"{n} {how} {n2}{allowed}")
+    for n, t, _ in outs:
+        if t is not None:
+            _checks.writable(t, n)
+    may_alias = [(n, a) for n, _, aliases in outs for a in aliases]
+    _checks.check_outputs({n: t for n, t, _ in outs}, dict(ins), may_alias=may_alias)

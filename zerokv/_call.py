@@ -82,7 +82,7 @@ class Call:
         is not a tensor. Arguments past the call's objects are None."""
         shown = shown or names
         objs = self.objs + (None,) * (len(names) - len(self.objs))
-        return {n: (None if x is None else view(x, s)) for n, s, x in zip(names, shown, objs)}
+        return {n: (None if x is None else view(x, s)) for n, s, x in zip(names, shown, objs, strict=True)}
 
     def stream(self) -> int:
         """The producer's current stream on the call's device."""
@@ -95,6 +95,18 @@ class Call:
         first = next(x for x in self.objs if x is not None)
         like = Tensor(first, 0, (), (), dtype, self.device, self.is_torch)
         return _host.new(like, shape, dtype)
+
+    def writable(self, outputs: tuple[int, ...]) -> bool:
+        """Whether the outputs at these positions may be written without the full check: torch
+        tensors that neither require grad nor are inference tensors; other producers always take
+        the full check (``zerokv._checks.writable``)."""
+        for i in outputs:
+            x = self.objs[i] if i < len(self.objs) else None
+            if x is None:
+                continue
+            if not self.is_torch or x.requires_grad or x.is_inference():
+                return False
+        return True
 
     def disjoint_outputs(self, itemsizes: list, outs: tuple) -> bool:
         """True when every output shares no byte with any other tensor of the call, except an

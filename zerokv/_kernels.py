@@ -81,15 +81,16 @@ def _params(spec: str) -> tuple[tuple[str, str], ...]:
 _V = [(_dtypes.ctype(i), i) for i in _dtypes.V_IN]
 _O = [_dtypes.ctype(o) for o in _dtypes.V_OUT]
 
+# PPT (packs of V per thread per round): 1 with a register cap (the most threads in flight), 2 or 4.
 MERGE_STATE = Kernel(
     stem="merge",
     name="merge_state_kernel",
-    instances=tuple((ci, co, v) for ci, i in _V for co in _O for v in (1, _vec(i))),
+    instances=tuple((ci, co, v, ppt) for ci, i in _V for co in _O for v in (1, _vec(i)) for ppt in (1, 2, 4)),
     block=128,
     params=_params(
         "ptr va, i64 va_st, i64 va_sh, ptr vb, i64 vb_st, i64 vb_sh, ptr out, i64 out_st, i64 out_sh,"
         " ptr sa, i64 sa_st, i64 sa_sh, ptr sb, i64 sb_st, i64 sb_sh, ptr olse, i64 ol_st, i64 ol_sh,"
-        " i64 T, i64 H, i64 D, i64 lanes, i64 t_inner, i64 prefix_rows, i64 suffix_verbatim,"
+        " i64 T, i64 H, i64 D, i64 lanes, i64 prefix_rows, i64 suffix_verbatim,"
         " ptr a_cu, ptr a_lens, i64 a_batch, i64 a_is64, ptr row_mask, ptr sinks,"
         " f32 k, f32 inv_k, ptr out_scale"
     ),
@@ -103,7 +104,7 @@ MERGE_STATES = Kernel(
     params=_params(
         "ptr v, i64 v_sn, i64 v_st, i64 v_sh, ptr s, i64 s_sn, i64 s_st, i64 s_sh,"
         " ptr out, i64 out_st, i64 out_sh, ptr olse, i64 ol_st, i64 ol_sh,"
-        " i64 N, i64 T, i64 H, i64 D, i64 lanes, i64 t_inner, ptr sinks,"
+        " i64 N, i64 T, i64 H, i64 D, i64 lanes, ptr sinks,"
         " f32 k, f32 inv_k, ptr out_scale"
     ),
 )
@@ -167,9 +168,7 @@ CP_FINALIZE = Kernel(
         (cw, _dtypes.ctype(o), v) for cw, w in _V for o in _dtypes.V_OUT for v in (1, cp_finalize_vec(w, o))
     ),
     block=256,
-    params=_params(
-        "ptr src, ptr out, i64 o_st, i64 o_sh, i64 T, i64 Hn, i64 D, i64 lanes, i64 tile_rows, ptr out_scale"
-    ),
+    params=_params("ptr src, ptr out, i64 o_st, i64 o_sh, i64 T, i64 Hn, i64 D, i64 lanes, ptr out_scale"),
 )
 
 KERNELS: tuple[Kernel, ...] = (

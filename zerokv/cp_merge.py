@@ -68,13 +68,17 @@ def cp_merge(
 
     Empty rule, per rank and row: an LSE of -inf or +inf is empty: weight 0, and that rank's V
     never reaches the output (it may hold NaN/Inf scratch). Every rank empty: ``(0, -inf)``.
-    NaN in any rank's LSE makes the row NaN on every rank. CUDA: an all-gather of the LSE, one
-    kernel, the reduce-scatter / all-reduce, and one conversion kernel when the output dtype or
-    layout differs from the wire's; on the current stream of ``v``'s device, no host sync, so a
-    call can be captured in a CUDA graph. The collective's buffers are allocated with torch on
-    that stream. CPU tensors: the same steps in float64 through gloo (``wire_dtype`` ignored);
-    shapes that differ between ranks, or a rank that rejects its arguments, raise
-    ``ValueError`` on every rank instead of hanging. Mutates ``out`` and ``out_lse`` only.
+    NaN in any rank's LSE (or in a sink) makes the row NaN on every rank.
+
+    CUDA: an all-gather of the LSE, one kernel, the reduce-scatter / all-reduce, and one
+    conversion kernel when the output dtype or layout differs from the wire's; on the current
+    stream of ``v``'s device, no host sync, so a call can be captured in a CUDA graph (the
+    collective's buffers are allocated with torch on that stream). A wire of 32 MiB or more per
+    rank is sent in chunks of tokens, each chunk's collective running beside the kernels of the
+    next. Ranks that disagree on shapes are not detected (that would take a host sync).
+    CPU tensors: the same steps in float64 through gloo (``wire_dtype`` ignored); shapes that
+    differ between ranks, or a rank that rejects its arguments, raise ``ValueError`` on every
+    rank instead of hanging. Mutates ``out`` and ``out_lse`` only.
 
     Returns:
         ``out``, or ``(out, lse)`` with ``return_lse``.
@@ -287,28 +291,79 @@ def _device_combine(torch, pg, N, rank, scatter, a: _Args, v, s, out, out_lse, n
             _pack_lse(a, src, stream)
         if N > 1:
             all_gather(lses, src, group=pg)
+    k2 = _Combine(
+        a, N, rank, lses.data_ptr(), rank * Hn if scatter == "heads" else 0, out_lse, nan_empty, stream
+    )
+    if D == 0:  # the LSE only
+        k2(out, 0, T, None)
+        return
 
-    # 2. this rank's share in the collective's layout, in the wire dtype; 3. the sum; 4. convert.
-    wire_t = getattr(torch, a.wire)
+    # 2. this rank's share in the collective's layout (rank j's heads contiguous), in the wire
+    #    dtype; 3. the sum; 4. the conversion to the output, unless the collective wrote it.
     o = view(out, "out")
-    direct = o.dtype == a.wire and out.is_contiguous()  # the collective writes the output itself
+    direct = o.dtype == a.wire and out.is_contiguous()
+    wire_t = getattr(torch, a.wire)
     if scatter == "none":
         buf = out if direct else torch.empty((T, H, D), dtype=wire_t, device=v.device)
-        red = buf
+        red = buf.view(-1)
+    elif direct and N == 1:
+        buf = red = out.view(-1)
     else:
-        buf = out if direct and N == 1 else torch.empty((N, T, Hn, D), dtype=wire_t, device=v.device)
-        red = out if direct else (buf if N == 1 else torch.empty((T, Hn, D), dtype=wire_t, device=v.device))
-    _combine_kernel(a, N, rank, lses.data_ptr(), rows, buf, out_lse, rank * Hn if scatter == "heads" else 0,
-                    nan_empty, stream)  # fmt: skip
-    if D == 0:
-        return
-    if N > 1:
+        buf = torch.empty((N * T * Hn * D,), dtype=wire_t, device=v.device)
+        red = (
+            out.view(-1)
+            if direct
+            else (buf if N == 1 else torch.empty((T * Hn * D,), dtype=wire_t, device=v.device))
+        )
+
+    # Large combines run in chunks of tokens: each chunk's collective is issued asynchronously,
+    # so the kernels of the next (and the conversion of the previous) chunk run beside it.
+    chunks = _chunks(T, H * D * _dtypes.itemsize(a.wire), N)
+    overlap = len(chunks) > 1
+    cap = _runtime.sm_count(dev) * _OVERLAP_THREADS_PER_SM if overlap else 0
+    waiting: list = []  # (work, t0, t1) of collectives issued, oldest first
+    for t0, t1 in chunks:
         if scatter == "none":
-            all_reduce(buf, group=pg)
+            wire_c = red_c = buf.view(T, H, D)[t0:t1]
         else:
-            reduce_scatter(red.view(-1), buf.view(-1), group=pg)
-    if not direct:
-        _finalize(a, red, o, stream)
+            wire_c = buf[N * t0 * Hn * D : N * t1 * Hn * D]
+            red_c = red[t0 * Hn * D : t1 * Hn * D]
+        k2(wire_c, t0, t1, cap)
+        work = None
+        if N > 1:
+            if scatter == "none":
+                work = all_reduce(wire_c, group=pg, async_op=overlap)
+            else:
+                work = reduce_scatter(red_c, wire_c, group=pg, async_op=overlap)
+        waiting.append((work, red_c, t0, t1))
+        if overlap and not direct and len(waiting) > 1:  # convert the previous chunk meanwhile
+            w, r, a0, a1 = waiting.pop(0)
+            w.wait()
+            _finalize(a, r, o, a0, a1, cap, stream)
+    for w, r, a0, a1 in waiting:
+        if w is not None and overlap:
+            w.wait()
+        if not direct:
+            _finalize(a, r, o, a0, a1, cap, stream)
+
+
+# Pipelining: a combine whose wire holds at least _OVERLAP_MIN_BYTES per rank runs in up to
+# _OVERLAP_MAX_CHUNKS chunks of about _OVERLAP_CHUNK_BYTES; its kernels then take at most
+# _OVERLAP_THREADS_PER_SM threads per SM, so that the collective's blocks find room beside them.
+_OVERLAP_MIN_BYTES = 32 << 20
+_OVERLAP_CHUNK_BYTES = 32 << 20
+_OVERLAP_MAX_CHUNKS = 16
+_OVERLAP_THREADS_PER_SM = 512
+
+
+def _chunks(T: int, wire_bytes_per_token: int, N: int) -> list[tuple[int, int]]:
+    """Token ranges ``[t0, t1)`` the combine runs in: one unless the wire is large."""
+    total = T * wire_bytes_per_token
+    if N == 1 or total < _OVERLAP_MIN_BYTES:
+        return [(0, T)]
+    count = min(_OVERLAP_MAX_CHUNKS, -(-total // _OVERLAP_CHUNK_BYTES), T)
+    step = -(-T // count)
+    return [(t, min(T, t + step)) for t in range(0, T, step)]
 
 
 def _pack_lse(a: _Args, dst: Any, stream: int) -> None:
@@ -324,41 +379,65 @@ def _pack_lse(a: _Args, dst: Any, stream: int) -> None:
     )  # fmt: skip
 
 
-def _combine_kernel(a: _Args, N, rank, lses_ptr, l_sn, buf, out_lse, lse_h0, nan_empty, stream) -> None:
-    vt, T, H, D = a.v, a.T, a.H, a.D
-    vec = 16 // _dtypes.itemsize(vt.dtype)
-    wire_ptr = buf.data_ptr()  # the output itself when the collective writes it: any alignment
-    aligned = vt.ptr % 16 == 0 and wire_ptr % (vec * _dtypes.itemsize(a.wire)) == 0
-    if D % vec or not aligned or vt.strides[0] % vec or vt.strides[1] % vec:
-        vec = 1
-    ol = None if out_lse is None else view(out_lse, "out_lse")
-    tile, blocks = _tiles(T * H, _kernels.CP_COMBINE.block)
-    k, inv_k = _BASES[a.base]
-    launch = _plans.launcher(
-        _kernels.CP_COMBINE, (_dtypes.ctype(vt.dtype), _dtypes.ctype(a.wire), vec), a.device
-    )
-    launch(
-        blocks, stream,
-        vt.ptr, vt.strides[0], vt.strides[1], lses_ptr, l_sn, wire_ptr,
-        ol.ptr if ol else 0, ol.strides[0] if ol else 0, ol.strides[1] if ol else 0,
-        a.sinks.ptr if a.sinks else 0,
-        N, rank, T, H, D, a.Hn if buf.dim() == 4 else H, lse_h0, a.Hn,
-        _lanes(D, vec), tile, int(nan_empty), k, inv_k,
-    )  # fmt: skip
+class _Combine:
+    """The combine kernel of one call, launched per chunk of tokens ``[t0, t1)``."""
+
+    def __init__(self, a: _Args, N, rank, lses_ptr, lse_h0, out_lse, nan_empty, stream) -> None:
+        vt = a.v
+        self.a, self.N, self.rank, self.lses_ptr, self.lse_h0 = a, N, rank, lses_ptr, lse_h0
+        self.ol = None if out_lse is None else view(out_lse, "out_lse")
+        self.nan_empty, self.stream = int(nan_empty), stream
+        vec = 16 // _dtypes.itemsize(vt.dtype)
+        if a.D % vec or vt.ptr % 16 or vt.strides[0] % vec or vt.strides[1] % vec:
+            vec = 1
+        self.vec = vec
+        self.v_bytes = vt.strides[0] * _dtypes.itemsize(vt.dtype)  # per token
+
+    def __call__(self, wire: Any, t0: int, t1: int, cap: int | None) -> None:
+        a, vt, ol = self.a, self.a.v, self.ol
+        wire_ptr = wire.data_ptr()
+        vec = (
+            self.vec if wire_ptr % (self.vec * _dtypes.itemsize(a.wire)) == 0 else 1
+        )  # wire: maybe the output
+        rows = (t1 - t0) * a.H
+        tile, blocks = _tiles(rows, _kernels.CP_COMBINE.block)
+        if cap:
+            blocks = max(1, min(blocks, cap // _kernels.CP_COMBINE.block))
+        k, inv_k = _BASES[a.base]
+        launch = _plans.launcher(
+            _kernels.CP_COMBINE, (_dtypes.ctype(vt.dtype), _dtypes.ctype(a.wire), vec), a.device
+        )
+        launch(
+            blocks, self.stream,
+            vt.ptr + t0 * self.v_bytes, vt.strides[0], vt.strides[1],
+            self.lses_ptr + t0 * a.H * 4, a.T * a.H, wire_ptr,
+            ol.ptr + t0 * ol.strides[0] * 4 if ol else 0, ol.strides[0] if ol else 0, ol.strides[1] if ol else 0,
+            a.sinks.ptr if a.sinks else 0,
+            self.N, self.rank, t1 - t0, a.H, a.D, a.Hn, self.lse_h0, a.Hn,
+            _lanes(a.D, vec), tile, self.nan_empty, k, inv_k,
+        )  # fmt: skip
 
 
-def _finalize(a: _Args, red: Any, o: Tensor, stream: int) -> None:
-    T, Hn, D = o.shape
+def _finalize(a: _Args, red: Any, o: Tensor, t0: int, t1: int, cap: int | None, stream: int) -> None:
+    """The reduced rows ``[t0, t1)`` (``red``: contiguous ``[t1 - t0, Hn, D]``) into ``o``."""
+    _, Hn, D = o.shape
+    size = _dtypes.itemsize(o.dtype)
+    ptr = o.ptr + t0 * o.strides[0] * size
     vec = _kernels.cp_finalize_vec(a.wire, o.dtype)
-    if D % vec or o.ptr % (vec * _dtypes.itemsize(o.dtype)) or o.strides[0] % vec or o.strides[1] % vec:
+    if D % vec or ptr % (vec * size) or o.strides[0] % vec or o.strides[1] % vec:
         vec = 1
-    tile, blocks = _tiles(T * Hn, _kernels.CP_FINALIZE.block)
+    lanes = _lanes(D, vec)
+    rows = (t1 - t0) * Hn
+    per_block = _kernels.CP_FINALIZE.block // lanes  # rows a block converts per step
+    blocks = max(1, -(-rows // per_block))
+    if cap:
+        blocks = min(blocks, max(1, cap // _kernels.CP_FINALIZE.block))
     launch = _plans.launcher(
         _kernels.CP_FINALIZE, (_dtypes.ctype(a.wire), _dtypes.ctype(o.dtype), vec), a.device
     )
     launch(
-        blocks, stream, red.data_ptr(), o.ptr, o.strides[0], o.strides[1], T, Hn, D,
-        _lanes(D, vec), tile, a.scale.ptr if a.scale else 0,
+        blocks, stream, red.data_ptr(), ptr, o.strides[0], o.strides[1], t1 - t0, Hn, D, lanes,
+        a.scale.ptr if a.scale else 0,
     )  # fmt: skip
 
 

@@ -7,11 +7,14 @@ Two rules, one kernel (``kernels_cu/empty_rows.cu``, the rule a template paramet
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 from . import _argchecks as _checks
 from . import _dtypes, _host, _kernels, _plans, _runtime
 from ._call import Call
+from ._tensors import torch_tensor_type
 
 _BLOCKS_PER_SM = 4  # a persistent grid of full occupancy (the kernel is bounded to 64 registers)
 
@@ -64,12 +67,23 @@ _NAMES = {
 
 def _run(rule: int, out: Any, lse: Any, cu: Any, lens: Any, names: tuple[str, ...] | None) -> None:
     """``names``: how the caller calls (out, lse, cu, lens), for error messages."""
+    fast_key = None
+    if type(out) is torch_tensor_type():
+        with contextlib.suppress(
+            AttributeError
+        ):  # the engine call: a short signature, its plan checks the rest
+            fast_key = ("empty_rows:torch", rule, out.dtype, out.get_device(), cu.dtype, lens.dtype)
+        plan = _plans.find(fast_key)
+        if plan is not None and plan.torch_call(out, lse, cu, lens):
+            return
     call = Call("empty_rows", (out, lse, cu, lens), (rule,))
     names = names or _NAMES[rule]
     if call.device < 0:
         _host.empty_rows(_validate(call, rule, names), rule_offsets=rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         return
     plan = _plans.lookup(call.key(_aligned(call)), lambda: _EmptyRowsPlan(call, rule, names))
+    if fast_key is not None and call.is_torch:
+        _plans.remember(fast_key, plan)
     plan(call, rule, names)
 
 
@@ -113,8 +127,64 @@ class _EmptyRowsPlan:
         self.grid = _BLOCKS_PER_SM * _runtime.sm_count(v["device"])
         self.q_is64 = int(call.dtypes[2] == "int64")
         self.lens_is64 = int(call.dtypes[3] == "int64")
+        self.q_size, self.lens_size = 4 + 4 * self.q_is64, 4 + 4 * self.lens_is64
         self.lens_extra = int(rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         self.itemsizes = [_dtypes.ITEMSIZE.get(d) for d in call.dtypes]
+        self.device = v["device"]
+        self.out_size = _dtypes.itemsize(o.dtype)
+        if call.is_torch:
+            self.t_out, self.t_f32 = (getattr(sys.modules["torch"], d) for d in (o.dtype, "float32"))
+
+    def torch_call(self, out: Any, lse: Any, cu: Any, lens: Any) -> bool:
+        """The engine call in straight-line code (see merge's ``torch_call``); False sends the
+        call to the validating path."""
+        try:
+            dev = self.device
+            if (
+                out.dtype is not self.t_out or lse.dtype is not self.t_f32 or lse.get_device() != dev
+                or cu.get_device() != dev or lens.get_device() != dev
+                or out.requires_grad or lse.requires_grad or out.is_inference() or lse.is_inference()
+            ):  # fmt: skip
+                return False
+            sho = out.shape
+            T, H, D = sho
+            if lse.shape != (T, H) or T >= 2**31:
+                return False
+            (n_cu,), (n_lens,) = cu.shape, lens.shape
+            B = n_cu - 1
+            if B < 0 or n_lens != B + self.lens_extra:
+                return False
+            sto, stl, po, pl = out.stride(), lse.stride(), out.data_ptr(), lse.data_ptr()
+            if (n_cu > 1 and cu.stride()[0] != 1) or (n_lens > 1 and lens.stride()[0] != 1):
+                return False
+            if (
+                (D > 1 and sto[2] != 1)
+                or (T > 1 and (sto[0] == 0 or stl[0] == 0))
+                or (H > 1 and (sto[1] == 0 or stl[1] == 0))
+            ):
+                return False
+            vec = self.vec
+            if vec > 1 and (po & 15 or (sto[0] | sto[1] | D) & (vec - 1)):
+                return False
+            if B == 0 or T == 0 or H == 0:
+                return True
+            end_o = po + ((T - 1) * sto[0] + (H - 1) * sto[1] + D) * self.out_size
+            end_l = pl + ((T - 1) * stl[0] + (H - 1) * stl[1] + 1) * 4
+            pc, pn = cu.data_ptr(), lens.data_ptr()
+            end_c, end_n = pc + n_cu * self.q_size, pn + n_lens * self.lens_size
+            for lo, hi in ((pl, end_l), (pc, end_c), (pn, end_n)):
+                if po < hi and lo < end_o:
+                    return False
+            if (pl < end_c and pc < end_l) or (pl < end_n and pn < end_l):
+                return False
+        except (AttributeError, TypeError, ValueError):
+            return False
+        flat = int(sto[1] == D and sto[0] == H * D)
+        self.launch(
+            self.grid, _runtime.torch_stream(dev),
+            po, sto[0], sto[1], pl, stl[0], stl[1], pc, self.q_is64, pn, self.lens_is64, B, T, H, D, flat,
+        )  # fmt: skip
+        return True
 
     def __call__(self, call: Call, rule: int, names: tuple[str, ...]) -> None:
         o, s, cu, lens = call.facts
@@ -130,6 +200,7 @@ class _EmptyRowsPlan:
             and (lens[1][0] <= 1 or lens[2][0] == 1)
             and shape[0] < 2**31
             and call.disjoint_outputs(self.itemsizes, _OUTS)
+            and call.writable((0, 1))
         )
         if not ok:
             _validate(call, rule, names)

@@ -140,9 +140,11 @@ def _name(names: dict[str, str] | None, arg: str) -> str:
 def _validate_two(call: Call, prefix_rows: Any, names: dict[str, str] | None) -> dict[str, Any]:
     """Every check of a two-way merge, on the host; returns the validated facts."""
     n = {a: _name(names, a) for a in (*_NAMES2, "a_empty", "prefix_rows", "out_scale", "sinks", "mask")}
+    n_cu = (names or {}).get("a_empty[0]") or f"{n['a_empty']}[0] (cu_seqlens_q)"
+    n_lens = (names or {}).get("a_empty[1]") or f"{n['a_empty']}[1] (kv_lens)"
     keys = ("v_a", "s_a", "v_b", "s_b", "out", "out_lse", "cu", "lens", "mask", "out_scale", "sinks")
-    shown = (*(n[k] for k in keys[:6]), f"{n['a_empty']}[0]", f"{n['a_empty']}[1]", n["mask"], n["out_scale"])
-    t = call.views(keys, (*shown, n["sinks"]))
+    shown = (*(n[k] for k in keys[:6]), n_cu, n_lens, n["mask"], n["out_scale"], n["sinks"])
+    t = call.views(keys, shown)
     va = _checks.tensor_view(t["v_a"], n["v_a"], 3, _dtypes.V_IN)
     T, H, D = va.shape
     vb = _checks.tensor_view(t["v_b"], n["v_b"], 3, _dtypes.V_IN)
@@ -173,7 +175,7 @@ def _validate_two(call: Call, prefix_rows: Any, names: dict[str, str] | None) ->
     _checks.prefix_rows(prefix_rows, T, n["prefix_rows"])
     cu = lens = None
     if t["cu"] is not None or t["lens"] is not None:
-        cu, lens = _checks.offsets_pair(t["cu"], t["lens"], n["a_empty"], device)
+        cu, lens = _checks.offsets_pair(t["cu"], t["lens"], n["a_empty"], device, n_cu, n_lens)
     mask = None
     if t["mask"] is not None:
         mask = _checks.tensor_view(t["mask"], n["mask"], 1, _dtypes.MASK_NAMES)
@@ -186,9 +188,7 @@ def _validate_two(call: Call, prefix_rows: Any, names: dict[str, str] | None) ->
     scale = _checks.out_scale(t["out_scale"], o.dtype if o is not None else va.dtype, device, n["out_scale"])
     outs = [(n["out"], o, (n["v_a"], n["v_b"])), (n["out_lse"], ol, (n["s_a"], n["s_b"]))]
     ins = [(n["v_a"], va), (n["s_a"], sa), (n["v_b"], vb), (n["s_b"], sb)]
-    ins += [
-        (nm, x) for nm, x in ((n["a_empty"], cu), (n["a_empty"], lens), (n["mask"], mask)) if x is not None
-    ]
+    ins += [(nm, x) for nm, x in ((n_cu, cu), (n_lens, lens), (n["mask"], mask)) if x is not None]
     ins += [(nm, x) for nm, x in ((n["out_scale"], scale), (n["sinks"], sinks)) if x is not None]
     _checks.outputs(outs, ins)
     return {
@@ -227,7 +227,8 @@ class _MergeTwoPlan:
         out_dtype = o.dtype if o is not None else va.dtype
         vec = 16 // _dtypes.itemsize(va.dtype) if call.aligned else 1
         targs = (_dtypes.ctype(va.dtype), _dtypes.ctype(out_dtype), vec)
-        self.launch = _plans.launcher(_kernels.MERGE_STATE, targs, v["device"])
+        self.targs = targs  # (in, out, vec); the packs per thread come with the geometry
+        self.geo: dict = {}
         self.block = _kernels.MERGE_STATE.block
         self.sms = _runtime.sm_count(v["device"])
         self.device = v["device"]
@@ -243,6 +244,18 @@ class _MergeTwoPlan:
             torch = sys.modules["torch"]
             self.t_in, self.t_out, self.t_f32 = (getattr(torch, d) for d in (va.dtype, out_dtype, "float32"))
             self.empty = torch.empty
+
+    def geometry(self, D: int, rows: int) -> tuple[int, Any]:
+        """``(lanes, launcher)`` for rows of width D: the packs per thread pick the instantiation."""
+        big = rows * D >= _BIG_BATCH_ELEMS * self.sms
+        g = self.geo.get((D, big))
+        if g is None:
+            lanes, ppt = _geometry(D // self.vec, big)
+            g = self.geo[(D, big)] = (
+                lanes,
+                _plans.launcher(_kernels.MERGE_STATE, (*self.targs, ppt), self.device),
+            )
+        return g
 
     def torch_call(self, v_a, s_a, v_b, s_b, out, out_lse, prefix_rows):
         """The engine call (torch tensors, no optional tensor) in straight-line code: read each
@@ -320,12 +333,12 @@ class _MergeTwoPlan:
                 pl, stl = 0, (0, 0)
         except (AttributeError, TypeError, ValueError):  # not torch tensors, or not 3-D / 2-D
             return None
-        lanes = _lanes(D, vec, T * H, self.sms)
-        self.launch(
+        lanes, launch = self.geometry(D, T * H)
+        launch(
             -(-T * H * lanes // self.block), _torch_stream(dev),
             pa, sta[0], sta[1], pb, stb[0], stb[1], po, sto[0], sto[1],
             psa, ssa[0], ssa[1], psb, ssb[0], ssb[1], pl, stl[0], stl[1],
-            T, H, D, lanes, int(ssa[0] == 1 and ssa[1] != 1), T if prefix_rows is None else prefix_rows,
+            T, H, D, lanes, T if prefix_rows is None else prefix_rows,
             self.verbatim, 0, 0, 0, 0, 0, 0, self.k, self.inv_k, 0,
         )  # fmt: skip
         return out, out_lse
@@ -337,7 +350,11 @@ class _MergeTwoPlan:
             cu = lens = mask = scale = sinks = None
         else:
             va, sa, vb, sb, o, ol, cu, lens, mask, scale, sinks = f
-        ok = _fast_checks_two(f, prefix_rows) and call.disjoint_outputs(self.itemsizes, _OUTS_TWO)
+        ok = (
+            _fast_checks_two(f, prefix_rows)
+            and call.disjoint_outputs(self.itemsizes, _OUTS_TWO)
+            and call.writable((4, 5))
+        )
         if not ok:  # something changed since the plan was built: the full checks say what
             _validate_two(call, prefix_rows, names)
         T, H, D = va[1]
@@ -351,15 +368,15 @@ class _MergeTwoPlan:
             ol = read(out_lse)
         if T * H == 0:
             return out, out_lse
-        lanes = _lanes(D, self.vec, T * H, self.sms)
+        lanes, launch = self.geometry(D, T * H)
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
-        self.launch(
+        launch(
             -(-T * H * lanes // self.block), call.stream(),
             va[0], va_s[0], va_s[1], vb[0], vb_s[0], vb_s[1], o[0], o_s[0], o_s[1],
             sa[0], sa_s[0], sa_s[1], sb[0], sb_s[0], sb_s[1], ol_ptr, ol_st, ol_sh,
-            T, H, D, lanes, int(sa_s[0] == 1 and sa_s[1] != 1), prefix, self.verbatim,
+            T, H, D, lanes, prefix, self.verbatim,
             cu[0] if cu else 0, lens[0] if lens else 0, cu[1][0] - 1 if cu else 0, self.a_is64,
             mask[0] if mask else 0, sinks[0] if sinks else 0, self.k, self.inv_k,
             scale[0] if scale else 0,
@@ -435,10 +452,19 @@ def merge_states(
     Empty inputs contribute nothing and their V never reaches the output; all empty gives
     ``(0, -inf)``; NaN propagates. One launch, no host sync.
     """
+    fast_key = None
+    if out_scale is None and sinks is None and type(v) is torch_tensor_type() and type(out) is type(v):
+        # the engine call (torch tensors, outputs given): a short signature, its plan checks the rest
+        fast_key = ("merge_states:torch", lse_base, out_lse is None, v.dtype, out.dtype, v.get_device())
+        plan = _plans.find(fast_key)
+        if plan is not None and plan.torch_call(v, s, out, out_lse):
+            return out, out_lse
     call = Call("merge_states", (v, s, out, out_lse, out_scale, sinks), (lse_base, out is None))
     if call.device < 0:
         return _host.merge_states(call, lambda: _validate_n(call))
     plan = _plans.lookup(call.key(_aligned_n(call)), lambda: _MergeNPlan(call))
+    if fast_key is not None and call.is_torch:
+        _plans.remember(fast_key, plan)
     return plan(call)
 
 
@@ -505,11 +531,71 @@ class _MergeNPlan:
         self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
         self.allocate = call.scalars[1]
         self.itemsizes = [None if d is None else _dtypes.ITEMSIZE.get(d) for d in call.dtypes]
+        self.device = v["device"]
+        self.in_size, self.out_size = _dtypes.itemsize(vt.dtype), _dtypes.itemsize(out_dtype)
+        if call.is_torch:
+            torch = sys.modules["torch"]
+            self.t_in, self.t_out, self.t_f32 = (getattr(torch, d) for d in (vt.dtype, out_dtype, "float32"))
+
+    def torch_call(self, v: Any, s: Any, out: Any, out_lse: Any) -> bool:
+        """The engine call in straight-line code (see ``_MergeTwoPlan.torch_call``); False sends
+        the call to the validating path. The outputs may not overlap the inputs at all."""
+        try:
+            dev, f32 = self.device, self.t_f32
+            if (
+                v.dtype is not self.t_in or s.dtype is not f32 or s.get_device() != dev
+                or out.get_device() != dev or out.requires_grad or out.is_inference()
+            ):  # fmt: skip
+                return False
+            N, T, H, D = v.shape
+            if s.shape != (N, T, H) or out.shape != (T, H, D) or N == 0 or T == 0 or H == 0 or T >= 2**31:
+                return False
+            stv, sts, sto = v.stride(), s.stride(), out.stride()
+            pv, ps, po = v.data_ptr(), s.data_ptr(), out.data_ptr()
+            if (D > 1 and (stv[3] != 1 or sto[2] != 1)) or (T > 1 and sto[0] == 0) or (H > 1 and sto[1] == 0):
+                return False
+            vec = self.vec
+            if vec > 1 and (
+                (pv & 15)
+                or po & (vec * self.out_size - 1)
+                or (stv[0] | stv[1] | stv[2] | sto[0] | sto[1] | D) & (vec - 1)
+            ):
+                return False
+            end_v = pv + ((N - 1) * stv[0] + (T - 1) * stv[1] + (H - 1) * stv[2] + D) * self.in_size
+            end_s = ps + ((N - 1) * sts[0] + (T - 1) * sts[1] + (H - 1) * sts[2] + 1) * 4
+            end_o = po + ((T - 1) * sto[0] + (H - 1) * sto[1] + D) * self.out_size
+            if (po < end_v and pv < end_o) or (po < end_s and ps < end_o):
+                return False
+            if out_lse is not None:
+                if (
+                    out_lse.dtype is not f32 or out_lse.get_device() != dev or out_lse.shape != (T, H)
+                    or out_lse.requires_grad or out_lse.is_inference()
+                ):  # fmt: skip
+                    return False
+                pl, stl = out_lse.data_ptr(), out_lse.stride()
+                if (T > 1 and stl[0] == 0) or (H > 1 and stl[1] == 0):
+                    return False
+                end_l = pl + ((T - 1) * stl[0] + (H - 1) * stl[1] + 1) * 4
+                if (pl < end_v and pv < end_l) or (pl < end_s and ps < end_l) or (pl < end_o and po < end_l):
+                    return False
+            else:
+                pl, stl = 0, (0, 0)
+        except (AttributeError, TypeError, ValueError):
+            return False
+        lanes = _lanes_n(D // vec, T * H, self.sms)
+        self.launch(
+            -(-T * H * lanes // self.block), _torch_stream(dev),
+            pv, stv[0], stv[1], stv[2], ps, sts[0], sts[1], sts[2], po, sto[0], sto[1],
+            pl, stl[0], stl[1], N, T, H, D, lanes, 0, self.k, self.inv_k, 0,
+        )  # fmt: skip
+        return True
 
     def __call__(self, call: Call) -> tuple[Any, Any]:
         f = call.facts
         v, s, o, ol, scale, sinks = f
-        if not (_fast_checks_n(f) and call.disjoint_outputs(self.itemsizes, _OUTS_N)):
+        if not (
+            _fast_checks_n(f) and call.disjoint_outputs(self.itemsizes, _OUTS_N) and call.writable((2, 3))
+        ):
             _validate_n(call)
         N, T, H, D = v[1]
         out, out_lse = call.objs[2], call.objs[3]
@@ -521,13 +607,13 @@ class _MergeNPlan:
             ol = read(out_lse)
         if T * H == 0:
             return out, out_lse
-        lanes = _lanes(D, self.vec, T * H, self.sms)
+        lanes = _lanes_n(D // self.vec, T * H, self.sms)
         vs, ss, os_ = v[2], s[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
         self.launch(
             -(-T * H * lanes // self.block), call.stream(),
             v[0], vs[0], vs[1], vs[2], s[0], ss[0], ss[1], ss[2], o[0], os_[0], os_[1],
-            ol_ptr, ol_st, ol_sh, N, T, H, D, lanes, int(ss[1] == 1 and ss[2] != 1),
+            ol_ptr, ol_st, ol_sh, N, T, H, D, lanes,
             sinks[0] if sinks else 0, self.k, self.inv_k, scale[0] if scale else 0,
         )  # fmt: skip
         return out, out_lse
@@ -563,19 +649,31 @@ _LOG2E = 1.4426950408889634
 _BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
 
 
-# Packs of V a thread carries (loads in flight) at most: the kernels' U.
-_PACKS_PER_THREAD = 4
-# Threads per SM worth launching before a thread takes more packs of its row (ILP over TLP).
-_THREADS_PER_SM = 2048
+# A batch of at least this many V elements per SM counts as large: its threads take more packs
+# each (more bytes in flight per thread) rather than more threads.
+_BIG_BATCH_ELEMS = 1 << 16
+_BIG_PPT = 2  # packs per thread per round for large batches of narrow rows
 
 
-def _lanes(D: int, vec: int, rows: int, sms: int) -> int:
-    """Threads per row: the row's packs rounded up to a power of two, at most 32 (a row group
-    stays within one warp); halved while each thread carries fewer than 4 packs and the grid
-    would still fill every SM, so that large batches keep more bytes in flight per thread and
-    small ones finish in one round trip."""
-    packs = D // vec
-    lanes = min(32, 1 << max(0, packs - 1).bit_length())
-    while lanes > 1 and lanes * _PACKS_PER_THREAD > packs and rows * (lanes // 2) >= sms * _THREADS_PER_SM:
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _geometry(packs: int, big: bool) -> tuple[int, int]:
+    """``(lanes, packs per thread)`` of merge_state's row groups (kernels_cu/merge.cu): a row
+    group stays within one warp (lanes <= 32); rows of more than 32 packs give each lane 2 or 4
+    per round; large batches of narrower rows give each lane _BIG_PPT."""
+    lanes = min(32, _pow2_at_least(packs))
+    if packs > 32:
+        return 32, 2 if packs <= 64 else 4
+    if big and packs >= 2 * _BIG_PPT:
+        return max(1, lanes // _BIG_PPT), _BIG_PPT
+    return lanes, 1
+
+
+def _lanes_n(packs: int, rows: int, sms: int) -> int:
+    """Threads per row of merge_states: as merge_state's, two packs per lane for large batches."""
+    lanes = min(32, _pow2_at_least(packs))
+    if lanes > 1 and rows * packs >= _BIG_BATCH_ELEMS * sms:
         lanes //= 2
     return lanes

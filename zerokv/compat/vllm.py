@@ -98,12 +98,15 @@ def mask_empty_context(lse: Any, output: Any, query_start_loc: Any, context_star
 
 def _th(x: Any, arg: str) -> Any:
     """A ``[H, T]`` LSE as the ``[T, H]`` view the native ops take (zero-copy)."""
-    if getattr(x, "ndim", None) == 2 and hasattr(x, "T"):
-        return x.T
+    if getattr(x, "ndim", None) == 2:
+        try:
+            return x.T
+        except AttributeError:
+            pass
     shape = tuple(view(x, arg).shape)  # TypeError naming arg for what is not a tensor
-    if len(shape) != 2:
-        raise ValueError(f"{arg}: expected an [num_heads, num_tokens] LSE (2 dimensions), got shape {shape}")
-    raise TypeError(f"{arg}: a {type(x).__name__} has no .T; pass a torch, numpy or CuPy array")
+    if len(shape) == 2:
+        raise TypeError(f"{arg}: a {type(x).__name__} has no .T; pass a torch, numpy or CuPy array")
+    raise ValueError(f"{arg}: expected an [num_heads, num_tokens] LSE (2 dimensions), got shape {shape}")
 
 
 def _token_head(v: Any) -> tuple[int, int] | None:
