@@ -88,6 +88,25 @@ template <typename T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> load_pack(const T* p) {
   return *reinterpret_cast<const Pack<T, VEC>*>(p);
 }
+// The same through the read-only (non-coherent) cache path: for data no thread of the kernel
+// writes before this thread reads it (in-place merges write a pack only after its one read).
+template <typename T, int VEC>
+__device__ __forceinline__ Pack<T, VEC> load_pack_ro(const T* p) {
+  Pack<T, VEC> r;
+  if constexpr (sizeof(r) == 16) {
+    *reinterpret_cast<uint4*>(&r) = __ldg(reinterpret_cast<const uint4*>(p));
+  } else if constexpr (sizeof(r) == 8) {
+    *reinterpret_cast<uint2*>(&r) = __ldg(reinterpret_cast<const uint2*>(p));
+  } else if constexpr (sizeof(r) == 4) {
+    *reinterpret_cast<unsigned*>(&r) = __ldg(reinterpret_cast<const unsigned*>(p));
+  } else if constexpr (sizeof(r) == 2) {
+    *reinterpret_cast<unsigned short*>(&r) = __ldg(reinterpret_cast<const unsigned short*>(p));
+  } else {
+    r = *reinterpret_cast<const Pack<T, VEC>*>(p);
+  }
+  return r;
+}
+
 template <typename T, int VEC>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, VEC>& x) {
   *reinterpret_cast<Pack<T, VEC>*>(p) = x;

@@ -54,9 +54,8 @@ __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, flo
 
 // Row groups. Row (t, h) (numbered t * H + h, the order of V in memory) is merged by `lanes`
 // threads of one warp (a power of two <= 32), each taking packs p = lane, lane + lanes, ... of
-// the row's D / VEC packs (VEC = 1: scalar path), PPT of them per round: PPT = 1 with few
-// registers (full occupancy: the most threads in flight) or PPT = 4 (four packs of each input
-// in flight per thread) for wide rows. Every thread issues its row's LSE loads together with its
+// the row's D / VEC packs (VEC = 1: scalar path), PPT (1 or 2) of them per round; one round
+// when PPT = 1 (the host keeps packs <= lanes then), rounds of PPT packs per input otherwise. Every thread issues its row's LSE loads together with its
 // first round of V loads: one round trip to memory for most rows. The contract lets a kernel
 // load an empty input's V (it lies inside the tensor); it never uses it (select, never x 0).
 // The group's first lane writes the row's LSE after a __syncwarp, once every lane of the group
@@ -88,11 +87,12 @@ __device__ __forceinline__ void store_merged(Tout* dst, const Pack<Tin, VEC>& a,
   store_pack<Tout, VEC>(dst, convert_pack<Tout, VEC>(acc, inv_scale));
 }
 
-// Blocks per SM the register budget must allow: full occupancy for one pack per thread.
-template <int PPT> struct MinBlocks { static constexpr int value = PPT == 1 ? 12 : (PPT == 2 ? 6 : 4); };
+// FULL = 0: the engine's common call (no a_empty, row mask, sinks or fp8 scale), compiled
+// without that code so it fits the register budget of full occupancy.
+template <int PPT, int FULL> struct MinBlocks { static constexpr int value = PPT == 1 ? (FULL ? 12 : 16) : 8; };
 
-template <typename Tin, typename Tout, int VEC, int PPT>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT>::value) merge_state_kernel(
+template <typename Tin, typename Tout, int VEC, int PPT, int FULL>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FULL>::value) merge_state_kernel(
     const Tin* va, i64 va_st, i64 va_sh,
     const Tin* vb, i64 vb_st, i64 vb_sh,
     Tout* out, i64 out_st, i64 out_sh,
@@ -122,57 +122,55 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT>::v
   const Tin* pb = vb;
   if (live) {
     split_index(row, H, rows, t, h);
-    la = sa[t * sa_st + h * sa_sh];
-    lb = sb[t * sb_st + h * sb_sh];
+    la = __ldg(sa + t * sa_st + h * sa_sh);  // read-only path: each value is read before the
+    lb = __ldg(sb + t * sb_st + h * sb_sh);  // one write that may replace it (in place)
     pa = va + t * va_st + h * va_sh;
     pb = vb + t * vb_st + h * vb_sh;
 #pragma unroll
     for (int u = 0; u < PPT; ++u) {
       const i64 p = col + (i64)u * lanes;
       if (p < packs) {
-        a[u] = load_pack<Tin, VEC>(pa + p * VEC);
-        b[u] = load_pack<Tin, VEC>(pb + p * VEC);
+        a[u] = load_pack_ro<Tin, VEC>(pa + p * VEC);
+        b[u] = load_pack_ro<Tin, VEC>(pb + p * VEC);
       }
     }
   }
 
   RowCoef c{0.f, 0.f, neg_inf()};
-  const bool write = live && (row_mask == nullptr || row_mask[t] != 0);
+  bool write = live;
+  if constexpr (FULL) write = write && (row_mask == nullptr || row_mask[t] != 0);
   if (write) {
     bool use_a = t < prefix_rows;
-    if (use_a && a_cu != nullptr) use_a = !row_in_empty_request(a_cu, a_lens, (int)a_is64, a_batch, T, t);
+    if constexpr (FULL) {
+      if (use_a && a_cu != nullptr) use_a = !row_in_empty_request(a_cu, a_lens, (int)a_is64, a_batch, T, t);
+    }
     if (t >= prefix_rows && suffix_verbatim) {
       c.cb = 1.f;
       c.lse = lb;
     } else {
       c = combine2(use_a ? la : neg_inf(), lb, k, inv_k);
-      if (sinks != nullptr) {
-        const float f = apply_sink(c.lse, sinks[h], k, inv_k);
-        c.ca *= f;
-        c.cb *= f;
+      if constexpr (FULL) {
+        if (sinks != nullptr) {
+          const float f = apply_sink(c.lse, sinks[h], k, inv_k);
+          c.ca *= f;
+          c.cb *= f;
+        }
       }
     }
-    const float inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
+    float inv_scale = 1.f;
+    if constexpr (FULL) inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
     Tout* po = out + t * out_st + h * out_sh;
 #pragma unroll
     for (int u = 0; u < PPT; ++u) {
       const i64 p = col + (i64)u * lanes;
       if (p < packs) store_merged<Tin, Tout, VEC>(po + p * VEC, a[u], b[u], c.ca, c.cb, inv_scale);
     }
-    // rows wider than one round (D > PPT * lanes * VEC): the rest, PPT packs per input in flight
-    for (i64 p0 = col + (i64)PPT * lanes; p0 < packs; p0 += (i64)PPT * lanes) {
-#pragma unroll
-      for (int u = 0; u < PPT; ++u) {
-        const i64 p = p0 + (i64)u * lanes;
-        if (p < packs) {
-          a[u] = load_pack<Tin, VEC>(pa + p * VEC);
-          b[u] = load_pack<Tin, VEC>(pb + p * VEC);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < PPT; ++u) {
-        const i64 p = p0 + (i64)u * lanes;
-        if (p < packs) store_merged<Tin, Tout, VEC>(po + p * VEC, a[u], b[u], c.ca, c.cb, inv_scale);
+    if constexpr (PPT > 1) {  // rows wider than one round (rare: D > 512 in 16-bit): one pack at a time
+#pragma unroll 1
+      for (i64 p = col + (i64)PPT * lanes; p < packs; p += lanes) {
+        const Pack<Tin, VEC> x = load_pack_ro<Tin, VEC>(pa + p * VEC);
+        const Pack<Tin, VEC> y = load_pack_ro<Tin, VEC>(pb + p * VEC);
+        store_merged<Tin, Tout, VEC>(po + p * VEC, x, y, c.ca, c.cb, inv_scale);
       }
     }
   }

@@ -681,13 +681,13 @@ def _graph(ctx):
         check(ctx, out_lse, heads(lse, ctx, "heads"), None, "lse", f"graph replay {seed} lse")
 
 
-def _nccl_worker(rank: int, init: str, outdir: str) -> None:
+def _nccl_worker(rank: int, world: int, init: str, outdir: str) -> None:
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=2,
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))  # fmt: skip
     failures = []
     try:
-        ctx = Ctx(rank, 2, None, torch.device("cuda", rank))
+        ctx = Ctx(rank, world, None, torch.device("cuda", rank))
         cases = [(n, fn) for n, fn in cpu_cases(ctx) if n != "grid"]
         cases += [("gpu grid", lambda: gpu_grid(ctx)), ("graph", lambda: case_graph(ctx))]
         cases += [
@@ -701,13 +701,23 @@ def _nccl_worker(rank: int, init: str, outdir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.multigpu
-def test_nccl_two_gpus(tmp_path):
+def nccl_run(tmp_path, world: int) -> None:
     torch.multiprocessing.start_processes(
-        _nccl_worker, args=(f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=2, join=True,
+        _nccl_worker, args=(world, f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=world, join=True,
         start_method="spawn",
     )  # fmt: skip
     failures = [
-        f"rank {r}: {x}" for r in range(2) for x in json.loads((tmp_path / f"rank{r}.json").read_text())
+        f"rank {r}: {x}" for r in range(world) for x in json.loads((tmp_path / f"rank{r}.json").read_text())
     ]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.gpu
+def test_nccl_one_gpu(tmp_path):
+    """A real NCCL group of one: the default-group path, no collectives, the same cases."""
+    nccl_run(tmp_path, 1)
+
+
+@pytest.mark.multigpu
+def test_nccl_two_gpus(tmp_path):
+    nccl_run(tmp_path, 2)

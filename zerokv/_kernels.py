@@ -81,11 +81,19 @@ def _params(spec: str) -> tuple[tuple[str, str], ...]:
 _V = [(_dtypes.ctype(i), i) for i in _dtypes.V_IN]
 _O = [_dtypes.ctype(o) for o in _dtypes.V_OUT]
 
-# PPT (packs of V per thread per round): 1 with a register cap (the most threads in flight), 2 or 4.
+# PPT: packs of V per thread per round (1 or 2). FULL = 0: the common call compiled without the
+# code of a_empty, row masks, sinks and the fp8 scale (an fp8 output always needs FULL = 1).
 MERGE_STATE = Kernel(
     stem="merge",
     name="merge_state_kernel",
-    instances=tuple((ci, co, v, ppt) for ci, i in _V for co in _O for v in (1, _vec(i)) for ppt in (1, 2, 4)),
+    instances=tuple(
+        (ci, co, v, ppt, full)
+        for ci, i in _V
+        for co in _O
+        for v in (1, _vec(i))
+        for ppt in (1, 2)
+        for full in ((1,) if co == _dtypes.ctype("float8_e4m3fn") else (0, 1))
+    ),
     block=128,
     params=_params(
         "ptr va, i64 va_st, i64 va_sh, ptr vb, i64 vb_st, i64 vb_sh, ptr out, i64 out_st, i64 out_sh,"

@@ -57,14 +57,25 @@ class CompileError(RuntimeError):
 # --- NVRTC through cuda-bindings --------------------------------------------------------------
 
 
+def _cuda12() -> bool:
+    """Whether this environment is set up for CUDA 12 (its CuPy), else CUDA 13 is assumed."""
+    return _installed("cupy-cuda12x") and not _installed("cupy-cuda13x")
+
+
 def install_hint() -> str:
     """The pip command that brings cuda-bindings of the CUDA major CuPy was installed for."""
-    have = {d: _installed(d) for d in ("cupy-cuda12x", "cupy-cuda13x")}
-    if have["cupy-cuda12x"] and not have["cupy-cuda13x"]:
+    if _cuda12():
         return "pip install 'cuda-bindings>=12.9,<13' (what the cuda12 extra installs: pip install 'zerokv[cuda12]')"
     return (
         "pip install 'cuda-bindings>=13,<14' (what the cuda13 extra installs: pip install 'zerokv[cuda13]')"
     )
+
+
+def nvrtc_hint() -> str:
+    """The pip command that brings the NVRTC library of the CUDA major in use."""
+    if _cuda12():
+        return "pip install 'nvidia-cuda-nvrtc-cu12>=12.8,<13' (part of the cuda12 extra)"
+    return "pip install 'nvidia-cuda-nvrtc>=13,<14' (part of the cuda13 extra)"
 
 
 def _installed(dist: str) -> bool:
@@ -92,19 +103,27 @@ def _check(result: tuple, what: str) -> tuple:
 
 
 def nvrtc_version() -> tuple[int, int]:
-    major, minor = _check(nvrtc().nvrtcVersion(), "version")
+    """NVRTC's version; ImportError with the install command when the library cannot be loaded."""
+    module = nvrtc()
+    try:
+        result = module.nvrtcVersion()
+    except Exception as e:  # cuda-bindings loads libnvrtc on first use; its error types vary
+        raise ImportError(f"the NVRTC library cannot be loaded ({e}): {nvrtc_hint()}") from e
+    major, minor = _check(result, "version")
     return int(major), int(minor)
 
 
 def supported_archs() -> list[int]:
     """Compute capabilities this NVRTC compiles for, from sm_80 on (e.g. [80, 86, ..., 120])."""
+    nvrtc_version()  # the library loads, or ImportError with the install command
     (archs,) = _check(nvrtc().nvrtcGetSupportedArchs(), "supported archs")
     return sorted(int(a) for a in archs if int(a) >= MIN_ARCH)
 
 
 def check_arch(arch: str) -> str:
     """``arch`` if it names a target zerokv supports (``sm_80`` .. ``sm_121``, ``sm_90a``...),
-    else ArchError listing the valid names. The name is checked before NVRTC is needed."""
+    else ArchError listing the valid names: those this NVRTC compiles for, or without NVRTC
+    (cuda-bindings missing) the archs CI compiles for."""
     m = _ARCH.match(arch)
     try:
         valid = supported_archs()

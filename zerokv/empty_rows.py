@@ -135,6 +135,11 @@ class _EmptyRowsPlan:
         if call.is_torch:
             self.t_out, self.t_f32 = (getattr(sys.modules["torch"], d) for d in (o.dtype, "float32"))
 
+    def blocks(self, T: int, H: int, D: int) -> int:
+        """A full-occupancy persistent grid, or fewer blocks when even every row empty would
+        not give each thread one store (small batches: less to launch, the same scan)."""
+        return min(self.grid, -(-T * H * max(1, D // self.vec) // _kernels.EMPTY_ROWS.block))
+
     def torch_call(self, out: Any, lse: Any, cu: Any, lens: Any) -> bool:
         """The engine call in straight-line code (see merge's ``torch_call``); False sends the
         call to the validating path."""
@@ -181,7 +186,7 @@ class _EmptyRowsPlan:
             return False
         flat = int(sto[1] == D and sto[0] == H * D)
         self.launch(
-            self.grid, _runtime.torch_stream(dev),
+            self.blocks(T, H, D), _runtime.torch_stream(dev),
             po, sto[0], sto[1], pl, stl[0], stl[1], pc, self.q_is64, pn, self.lens_is64, B, T, H, D, flat,
         )  # fmt: skip
         return True
@@ -211,7 +216,7 @@ class _EmptyRowsPlan:
         flat = int(o[2][1] == D and o[2][0] == H * D)
         os_, ss = o[2], s[2]
         self.launch(
-            self.grid, call.stream(),
+            self.blocks(T, H, D), call.stream(),
             o[0], os_[0], os_[1], s[0], ss[0], ss[1], cu[0], self.q_is64, lens[0], self.lens_is64,
             B, T, H, D, flat,
         )  # fmt: skip

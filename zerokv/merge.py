@@ -228,6 +228,8 @@ class _MergeTwoPlan:
         vec = 16 // _dtypes.itemsize(va.dtype) if call.aligned else 1
         targs = (_dtypes.ctype(va.dtype), _dtypes.ctype(out_dtype), vec)
         self.targs = targs  # (in, out, vec); the packs per thread come with the geometry
+        # the kernel with a_empty / mask / sinks / fp8-scale code only when the signature has one
+        self.full = int(any(x is not None for x in call.objs[6:]) or out_dtype in _dtypes.FP8)
         self.geo: dict = {}
         self.block = _kernels.MERGE_STATE.block
         self.sms = _runtime.sm_count(v["device"])
@@ -251,10 +253,8 @@ class _MergeTwoPlan:
         g = self.geo.get((D, big))
         if g is None:
             lanes, ppt = _geometry(D // self.vec, big)
-            g = self.geo[(D, big)] = (
-                lanes,
-                _plans.launcher(_kernels.MERGE_STATE, (*self.targs, ppt), self.device),
-            )
+            targs = (*self.targs, ppt, self.full)
+            g = self.geo[(D, big)] = (lanes, _plans.launcher(_kernels.MERGE_STATE, targs, self.device))
         return g
 
     def torch_call(self, v_a, s_a, v_b, s_b, out, out_lse, prefix_rows):
@@ -661,13 +661,13 @@ def _pow2_at_least(n: int) -> int:
 
 def _geometry(packs: int, big: bool) -> tuple[int, int]:
     """``(lanes, packs per thread)`` of merge_state's row groups (kernels_cu/merge.cu): a row
-    group stays within one warp (lanes <= 32); rows of more than 32 packs give each lane 2 or 4
-    per round; large batches of narrower rows give each lane _BIG_PPT."""
+    group stays within one warp (lanes <= 32); rows of more than 32 packs give each lane 2 per
+    round; so do large batches of rows of at least 4 packs (more bytes in flight per thread)."""
     lanes = min(32, _pow2_at_least(packs))
     if packs > 32:
-        return 32, 2 if packs <= 64 else 4
+        return 32, 2
     if big and packs >= 2 * _BIG_PPT:
-        return max(1, lanes // _BIG_PPT), _BIG_PPT
+        return lanes // _BIG_PPT, _BIG_PPT
     return lanes, 1
 
 
