@@ -84,32 +84,61 @@ struct __align__(sizeof(T) * VEC) Pack {
   T v[VEC];
 };
 
+// Packs move through memory as one access of their full width (16, 8, 4 or 2 bytes): built
+// from 16-bit fields, a pack would otherwise be stored field by field.
+template <int BYTES> struct Word;
+template <> struct Word<16> { typedef uint4 type; };
+template <> struct Word<8> { typedef uint2 type; };
+template <> struct Word<4> { typedef unsigned type; };
+template <> struct Word<2> { typedef unsigned short type; };
+template <> struct Word<1> { typedef unsigned char type; };
+
 template <typename T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> load_pack(const T* p) {
-  return *reinterpret_cast<const Pack<T, VEC>*>(p);
+  constexpr int B = sizeof(Pack<T, VEC>);
+  Pack<T, VEC> r;
+  if constexpr (B % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < B / 16; ++i) reinterpret_cast<uint4*>(&r)[i] = reinterpret_cast<const uint4*>(p)[i];
+  } else {
+    typedef typename Word<B>::type W;
+    *reinterpret_cast<W*>(&r) = *reinterpret_cast<const W*>(p);
+  }
+  return r;
 }
+
 // The same through the read-only (non-coherent) cache path: for data no thread of the kernel
 // writes before this thread reads it (in-place merges write a pack only after its one read).
 template <typename T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> load_pack_ro(const T* p) {
+  constexpr int B = sizeof(Pack<T, VEC>);
   Pack<T, VEC> r;
-  if constexpr (sizeof(r) == 16) {
-    *reinterpret_cast<uint4*>(&r) = __ldg(reinterpret_cast<const uint4*>(p));
-  } else if constexpr (sizeof(r) == 8) {
-    *reinterpret_cast<uint2*>(&r) = __ldg(reinterpret_cast<const uint2*>(p));
-  } else if constexpr (sizeof(r) == 4) {
-    *reinterpret_cast<unsigned*>(&r) = __ldg(reinterpret_cast<const unsigned*>(p));
-  } else if constexpr (sizeof(r) == 2) {
-    *reinterpret_cast<unsigned short*>(&r) = __ldg(reinterpret_cast<const unsigned short*>(p));
+  if constexpr (B % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < B / 16; ++i) reinterpret_cast<uint4*>(&r)[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
   } else {
-    r = *reinterpret_cast<const Pack<T, VEC>*>(p);
+    typedef typename Word<B>::type W;
+    *reinterpret_cast<W*>(&r) = __ldg(reinterpret_cast<const W*>(p));
   }
   return r;
 }
 
 template <typename T, int VEC>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T, VEC>& x) {
-  *reinterpret_cast<Pack<T, VEC>*>(p) = x;
+  constexpr int B = sizeof(Pack<T, VEC>);
+  if constexpr (B % 16 == 0) {  // one st.global.v4 per 16 bytes (the compiler alone may split it)
+    const unsigned* w = reinterpret_cast<const unsigned*>(&x);
+#pragma unroll
+    for (int i = 0; i < B / 16; ++i)
+      asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(reinterpret_cast<char*>(p) + 16 * i),
+                   "r"(w[4 * i]), "r"(w[4 * i + 1]), "r"(w[4 * i + 2]), "r"(w[4 * i + 3])
+                   : "memory");
+  } else if constexpr (B == 8) {
+    const unsigned* w = reinterpret_cast<const unsigned*>(&x);
+    asm volatile("st.global.v2.u32 [%0], {%1, %2};" ::"l"(p), "r"(w[0]), "r"(w[1]) : "memory");
+  } else {
+    *reinterpret_cast<typename Word<B>::type*>(p) = *reinterpret_cast<const typename Word<B>::type*>(&x);
+  }
 }
 
 template <typename T> struct is_fp8 { static constexpr bool value = false; };

@@ -105,6 +105,21 @@ def test_missing_cuda_bindings_gives_the_install_command(capsys, monkeypatch):
     assert "valid: sm_80, sm_86, sm_89, sm_90, sm_100, sm_120" in capsys.readouterr().err
 
 
+def test_missing_nvrtc_library_gives_the_install_command(capsys, monkeypatch):
+    class NoLibrary:
+        def nvrtcVersion(self):
+            raise RuntimeError('Failure finding "libnvrtc.so.13":\nNo such file')
+
+    monkeypatch.setattr(_offline, "nvrtc", lambda: NoLibrary())
+    assert main(["compile", "--arch", "sm_90"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err  # one line
+    assert "NVRTC library cannot be loaded" in err and "pip install 'nvidia-cuda-nvrtc" in err
+    monkeypatch.setattr(selfcheck, "gpu_available", lambda: False)
+    assert selfcheck.main() == 1  # an install that cannot compile anything is not ok
+    assert "NVRTC library cannot be loaded" in capsys.readouterr().out
+
+
 def test_a_failing_instantiation_is_named_in_one_line(broken_fp8, cache_dir, capsys):
     assert main(["compile", "--arch", "sm_90"]) == 1
     out = capsys.readouterr().out

@@ -40,6 +40,10 @@ class ArchError(ValueError):
     """An arch name that is malformed, older than sm_80, or unknown to this NVRTC."""
 
 
+class NvrtcLibraryError(ImportError):
+    """cuda-bindings is installed but the NVRTC library it loads is not (a broken install)."""
+
+
 class CompileError(RuntimeError):
     """A stem that does not compile; ``failing`` names the instantiations, ``log`` is NVRTC's."""
 
@@ -108,7 +112,8 @@ def nvrtc_version() -> tuple[int, int]:
     try:
         result = module.nvrtcVersion()
     except Exception as e:  # cuda-bindings loads libnvrtc on first use; its error types vary
-        raise ImportError(f"the NVRTC library cannot be loaded ({e}): {nvrtc_hint()}") from e
+        why = " ".join(str(e).split())  # one line
+        raise NvrtcLibraryError(f"the NVRTC library cannot be loaded ({why}): {nvrtc_hint()}") from e
     major, minor = _check(result, "version")
     return int(major), int(minor)
 

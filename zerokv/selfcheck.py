@@ -250,7 +250,9 @@ def offline_compile() -> tuple[str, bool]:
     start = time.perf_counter()
     try:
         _offline.nvrtc_version()
-    except ImportError as e:
+    except _offline.NvrtcLibraryError as e:  # a broken install: nothing can compile here
+        return f"FAILED: {e}", False
+    except ImportError as e:  # no cuda-bindings: the CPU path alone is still usable
         return f"offline compile skipped: {e}", True
     total, cached, failed = 0, 0, []
     for arch in OFFLINE_ARCHS:
