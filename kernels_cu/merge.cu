@@ -53,14 +53,16 @@ __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, flo
 }
 
 // Row groups. Row (t, h) (numbered t * H + h, the order of V in memory) is merged by `lanes`
-// threads of one warp (a power of two <= 32), each taking packs p = lane, lane + lanes, ... of
-// the row's D / VEC packs (VEC = 1: scalar path), PPT (1 or 2) of them per round; one round
-// when PPT = 1 (the host keeps packs <= lanes then), rounds of PPT packs per input otherwise. Every thread issues its row's LSE loads together with its
-// first round of V loads: one round trip to memory for most rows. The contract lets a kernel
-// load an empty input's V (it lies inside the tensor); it never uses it (select, never x 0).
-// The group's first lane writes the row's LSE after a __syncwarp, once every lane of the group
-// has read the input LSEs, so out_lse may alias s_a or s_b; each V pack is read and written by
-// one thread, so out may alias v_a or v_b.
+// threads (a power of two, at most the block; within one warp when out_lse is written in
+// place), each taking packs p = lane, lane + lanes, ... of the row's D / VEC packs (VEC = 1:
+// scalar path), PPT (1 or 2) of them per round: one round when PPT = 1 (the host keeps
+// packs <= lanes then), rounds of PPT packs per input otherwise. Every thread issues its row's
+// LSE loads together with its first V loads: one round trip to memory for most rows. The
+// contract lets a kernel load an empty input's V (it lies inside the tensor); it never uses it
+// (select, never x 0). The group's first lane writes the row's LSE after a __syncwarp, once
+// every lane of the group has read the input LSEs, so out_lse may alias s_a or s_b (the host
+// then keeps the group in one warp); each V pack is read and written by one thread, so out may
+// alias v_a or v_b.
 
 // (x / n, x % n) with 32-bit division when the operands allow (the common case).
 __device__ __forceinline__ void split_index(i64 x, i64 n, i64 limit, i64& q, i64& r) {

@@ -159,6 +159,11 @@ def cupy_stream(device: int) -> int:
 
 
 @cache
+def l2_bytes(device: int) -> int:
+    return int(import_cupy().cuda.runtime.getDeviceProperties(device)["l2CacheSize"])
+
+
+@cache
 def sm_count(device: int) -> int:
     cupy = import_cupy()
     return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])

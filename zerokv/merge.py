@@ -246,15 +246,21 @@ class _MergeTwoPlan:
             torch = sys.modules["torch"]
             self.t_in, self.t_out, self.t_f32 = (getattr(torch, d) for d in (va.dtype, out_dtype, "float32"))
             self.empty = torch.empty
+        self.elem_bytes = 2 * self.in_size + self.out_size
+        l2 = _runtime.l2_bytes(self.device)
+        self.mid_lo, self.mid_hi = l2 // 10, 6 * l2 // 10
 
-    def geometry(self, D: int, rows: int) -> tuple[int, Any]:
-        """``(lanes, launcher)`` for rows of width D: the packs per thread pick the instantiation."""
-        big = rows * D >= _BIG_BATCH_ELEMS * self.sms
-        g = self.geo.get((D, big))
+    def geometry(self, D: int, rows: int, inplace_lse: bool) -> tuple[int, Any]:
+        """``(lanes, launcher)`` for rows of width D: the packs per thread pick the instantiation.
+        ``inplace_lse``: out_lse is s_a or s_b, so a row's lanes must share one warp."""
+        nbytes = rows * D * self.elem_bytes
+        mid = self.mid_lo <= nbytes <= self.mid_hi
+        g = self.geo.get((D, mid, inplace_lse))
         if g is None:
-            lanes, ppt = _geometry(D // self.vec, big)
+            lanes, ppt = _geometry(D // self.vec, mid, inplace_lse)
             targs = (*self.targs, ppt, self.full)
-            g = self.geo[(D, big)] = (lanes, _plans.launcher(_kernels.MERGE_STATE, targs, self.device))
+            launch = _plans.launcher(_kernels.MERGE_STATE, targs, self.device)
+            g = self.geo[(D, mid, inplace_lse)] = (lanes, launch)
         return g
 
     def torch_call(self, v_a, s_a, v_b, s_b, out, out_lse, prefix_rows):
@@ -333,7 +339,7 @@ class _MergeTwoPlan:
                 pl, stl = 0, (0, 0)
         except (AttributeError, TypeError, ValueError):  # not torch tensors, or not 3-D / 2-D
             return None
-        lanes, launch = self.geometry(D, T * H)
+        lanes, launch = self.geometry(D, T * H, pl in (psa, psb))
         launch(
             -(-T * H * lanes // self.block), _torch_stream(dev),
             pa, sta[0], sta[1], pb, stb[0], stb[1], po, sto[0], sto[1],
@@ -368,7 +374,7 @@ class _MergeTwoPlan:
             ol = read(out_lse)
         if T * H == 0:
             return out, out_lse
-        lanes, launch = self.geometry(D, T * H)
+        lanes, launch = self.geometry(D, T * H, ol is not None and ol[0] in (sa[0], sb[0]))
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
@@ -649,31 +655,33 @@ _LOG2E = 1.4426950408889634
 _BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
 
 
-# A batch of at least this many V elements per SM counts as large: its threads take more packs
-# each (more bytes in flight per thread) rather than more threads.
-_BIG_BATCH_ELEMS = 1 << 16
-_BIG_PPT = 2  # packs per thread per round for large batches of narrow rows
+_ROW_GROUP_MAX = 128  # lanes of a row group at most: one block (kernels_cu/merge.cu)
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def _geometry(packs: int, big: bool) -> tuple[int, int]:
-    """``(lanes, packs per thread)`` of merge_state's row groups (kernels_cu/merge.cu): a row
-    group stays within one warp (lanes <= 32); rows of more than 32 packs give each lane 2 per
-    round; so do large batches of rows of at least 4 packs (more bytes in flight per thread)."""
-    lanes = min(32, _pow2_at_least(packs))
+def _geometry(packs: int, mid: bool, inplace_lse: bool) -> tuple[int, int]:
+    """``(lanes, packs per thread)`` of merge_state's row groups (kernels_cu/merge.cu).
+
+    One pack per thread, a row's packs over ``lanes`` threads, is the fastest in the measurements
+    (bench/NOTES.md) except: batches that stay in L2 (``mid``: a tenth to six tenths of it) run
+    faster with two packs per thread; a row of more than 32 packs whose LSE is written in place
+    keeps its lanes in one warp (two packs each); a row wider than one block, two per round."""
+    lanes = _pow2_at_least(packs)
     if packs > 32:
-        return 32, 2
-    if big and packs >= 2 * _BIG_PPT:
-        return lanes // _BIG_PPT, _BIG_PPT
+        if inplace_lse:
+            return 32, 2
+        return min(lanes, _ROW_GROUP_MAX), 1 if packs <= _ROW_GROUP_MAX else 2
+    if mid and packs >= 4:
+        return lanes // 2, 2
     return lanes, 1
 
 
 def _lanes_n(packs: int, rows: int, sms: int) -> int:
     """Threads per row of merge_states: as merge_state's, two packs per lane for large batches."""
     lanes = min(32, _pow2_at_least(packs))
-    if lanes > 1 and rows * packs >= _BIG_BATCH_ELEMS * sms:
+    if lanes > 1 and rows * packs >= (1 << 16) * sms:  # 64 K elements per SM
         lanes //= 2
     return lanes
