@@ -17,7 +17,7 @@ from conftest import assert_close, f64
 from states import NAN, make_states
 
 import zerokv
-from zerokv import _runtime, reference
+from zerokv import _plans, _runtime, reference
 from zerokv.compat import flashinfer, sglang, vllm
 
 pytestmark = pytest.mark.multigpu
@@ -123,8 +123,7 @@ def test_tensors_on_two_devices_are_rejected_before_anything_is_written():
 
 
 def test_two_threads_two_gpus_from_a_cold_cache():
-    _runtime.clear_cache()
-    _runtime.launches.clear()
+    _plans.clear_cache()
     built_before = _runtime._modules_built
     errors = []
 
