@@ -93,8 +93,10 @@ __device__ __forceinline__ void store_merged(Tout* dst, const Pack<Tin, VEC>& a,
 // without that code so it fits the register budget of full occupancy.
 template <int PPT, int FULL> struct MinBlocks { static constexpr int value = PPT == 1 ? (FULL ? 12 : 16) : 8; };
 
-template <typename Tin, typename Tout, int VEC, int PPT, int FULL>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FULL>::value) merge_state_kernel(
+// The kernel's body for one index type I: int when every offset it forms fits in 32 bits (the
+// host says so: `narrow`), else 64-bit. Fewer instructions before the loads: lower latency.
+template <typename I, typename Tin, typename Tout, int VEC, int PPT, int FULL>
+__device__ __forceinline__ void merge_state_body(
     const Tin* va, i64 va_st, i64 va_sh,
     const Tin* vb, i64 vb_st, i64 vb_sh,
     Tout* out, i64 out_st, i64 out_sh,
@@ -108,29 +110,30 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
     const unsigned char* row_mask,  // rows with mask 0 are not touched (null: all rows)
     const float* sinks,             // [H] attention-sink logits (null: none)
     float k, float inv_k,
-    const float* out_scale) {       // fp8 output: out = merged / *out_scale (null: 1)
-  const i64 rows = T * H;
-  const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const float* out_scale) {
+  const I rows = (I)T * (I)H;
+  const I gtid = (I)blockIdx.x * (I)blockDim.x + (I)threadIdx.x;
   const int shift = __ffs((int)lanes) - 1;
-  const i64 row = gtid >> shift;
+  const I row = gtid >> shift;
   const int col = threadIdx.x & ((int)lanes - 1);
   const bool live = row < rows;  // no early return: the group's lanes meet at __syncwarp
-  const i64 packs = D / VEC;
+  const I packs = (I)(D / VEC);
 
-  i64 t = 0, h = 0;
+  I t = 0, h = 0;
   float la = neg_inf(), lb = neg_inf();
   Pack<Tin, VEC> a[PPT], b[PPT];
   const Tin* pa = va;
   const Tin* pb = vb;
   if (live) {
-    split_index(row, H, rows, t, h);
-    la = __ldg(sa + t * sa_st + h * sa_sh);  // read-only path: each value is read before the
-    lb = __ldg(sb + t * sb_st + h * sb_sh);  // one write that may replace it (in place)
-    pa = va + t * va_st + h * va_sh;
-    pb = vb + t * vb_st + h * vb_sh;
+    t = row / (I)H;
+    h = row - t * (I)H;
+    la = __ldg(sa + (t * (I)sa_st + h * (I)sa_sh));  // read-only path: each value is read before
+    lb = __ldg(sb + (t * (I)sb_st + h * (I)sb_sh));  // the one write that may replace it
+    pa = va + (t * (I)va_st + h * (I)va_sh);
+    pb = vb + (t * (I)vb_st + h * (I)vb_sh);
 #pragma unroll
     for (int u = 0; u < PPT; ++u) {
-      const i64 p = col + (i64)u * lanes;
+      const I p = col + (I)u * (I)lanes;
       if (p < packs) {
         a[u] = load_pack_ro<Tin, VEC>(pa + p * VEC);
         b[u] = load_pack_ro<Tin, VEC>(pb + p * VEC);
@@ -144,7 +147,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
   if (write) {
     bool use_a = t < prefix_rows;
     if constexpr (FULL) {
-      if (use_a && a_cu != nullptr) use_a = !row_in_empty_request(a_cu, a_lens, (int)a_is64, a_batch, T, t);
+      if (use_a && a_cu != nullptr) use_a = !row_in_empty_request(a_cu, a_lens, (int)a_is64, a_batch, T, (i64)t);
     }
     if (t >= prefix_rows && suffix_verbatim) {
       c.cb = 1.f;
@@ -161,15 +164,15 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
     }
     float inv_scale = 1.f;
     if constexpr (FULL) inv_scale = out_scale != nullptr ? 1.f / *out_scale : 1.f;
-    Tout* po = out + t * out_st + h * out_sh;
+    Tout* po = out + (t * (I)out_st + h * (I)out_sh);
 #pragma unroll
     for (int u = 0; u < PPT; ++u) {
-      const i64 p = col + (i64)u * lanes;
+      const I p = col + (I)u * (I)lanes;
       if (p < packs) store_merged<Tin, Tout, VEC>(po + p * VEC, a[u], b[u], c.ca, c.cb, inv_scale);
     }
     if constexpr (PPT > 1) {  // rows wider than one round (rare: D > 512 in 16-bit): one pack at a time
 #pragma unroll 1
-      for (i64 p = col + (i64)PPT * lanes; p < packs; p += lanes) {
+      for (I p = col + (I)PPT * (I)lanes; p < packs; p += (I)lanes) {
         const Pack<Tin, VEC> x = load_pack_ro<Tin, VEC>(pa + p * VEC);
         const Pack<Tin, VEC> y = load_pack_ro<Tin, VEC>(pb + p * VEC);
         store_merged<Tin, Tout, VEC>(po + p * VEC, x, y, c.ca, c.cb, inv_scale);
@@ -177,7 +180,35 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
     }
   }
   __syncwarp();  // every lane of the group has read s_a / s_b before the LSE is written
-  if (write && col == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = c.lse;
+  if (write && col == 0 && olse != nullptr) olse[t * (I)ol_st + h * (I)ol_sh] = c.lse;
+}
+
+template <typename Tin, typename Tout, int VEC, int PPT, int FULL>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FULL>::value) merge_state_kernel(
+    const Tin* va, i64 va_st, i64 va_sh,
+    const Tin* vb, i64 vb_st, i64 vb_sh,
+    Tout* out, i64 out_st, i64 out_sh,
+    const float* sa, i64 sa_st, i64 sa_sh,
+    const float* sb, i64 sb_st, i64 sb_sh,
+    float* olse, i64 ol_st, i64 ol_sh,
+    i64 T, i64 H, i64 D, i64 lanes,
+    i64 narrow,           // every offset (and every thread index) fits in int32
+    i64 prefix_rows,      // rows t >= prefix_rows take state b alone
+    i64 suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
+    const void* a_cu, const void* a_lens, i64 a_batch, i64 a_is64,  // requests with empty a
+    const unsigned char* row_mask,  // rows with mask 0 are not touched (null: all rows)
+    const float* sinks,             // [H] attention-sink logits (null: none)
+    float k, float inv_k,
+    const float* out_scale) {       // fp8 output: out = merged / *out_scale (null: 1)
+  if (narrow) {
+    merge_state_body<int, Tin, Tout, VEC, PPT, FULL>(va, va_st, va_sh, vb, vb_st, vb_sh, out, out_st, out_sh, sa,
+        sa_st, sa_sh, sb, sb_st, sb_sh, olse, ol_st, ol_sh, T, H, D, lanes, prefix_rows, suffix_verbatim, a_cu,
+        a_lens, a_batch, a_is64, row_mask, sinks, k, inv_k, out_scale);
+  } else {
+    merge_state_body<i64, Tin, Tout, VEC, PPT, FULL>(va, va_st, va_sh, vb, vb_st, vb_sh, out, out_st, out_sh, sa,
+        sa_st, sa_sh, sb, sb_st, sb_sh, olse, ol_st, ol_sh, T, H, D, lanes, prefix_rows, suffix_verbatim, a_cu,
+        a_lens, a_batch, a_is64, row_mask, sinks, k, inv_k, out_scale);
+  }
 }
 
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both

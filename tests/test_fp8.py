@@ -190,6 +190,13 @@ def _gpu_module():
     return cupy, cupy.RawModule(code=_common() + COMPARE, options=_runtime.NVRTC_OPTIONS)
 
 
+@pytest.mark.parametrize("arch", ["80", "90"])
+def test_the_gpu_tests_kernels_compile(arch):
+    ptx = _ptx(arch, _common() + COMPARE)
+    assert re.search(r"\.entry\s+fp8_compare", ptx) and re.search(r"\.entry\s+fp8_software", ptx)
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in ptx) == (arch == "90")
+
+
 @pytest.mark.gpu
 def test_gpu_software_conversion_matches_the_cpu_model():
     cupy, mod = _gpu_module()
@@ -245,8 +252,10 @@ def test_fp8_merge_output_is_the_same_through_both_paths(monkeypatch):
     _plans.clear_cache()
     kernel_source = _runtime.kernel_source
     monkeypatch.setattr(_runtime, "kernel_source", lambda k: "#define ZK_FP8_SOFTWARE 1\n" + kernel_source(k))
+    built = _runtime._modules_built
     try:
         second = run()
+        assert _runtime._modules_built > built, "the software path was not compiled: a launch was reused"
     finally:
         monkeypatch.undo()
         _plans.clear_cache()

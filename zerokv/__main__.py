@@ -52,7 +52,7 @@ def compile_command(archs: list[str], verbose: bool, cache: bool) -> int:
     major, minor = _offline.nvrtc_version()
     failures = 0
     for arch in archs:
-        total, start = 0, time.perf_counter()
+        total, cached, start = 0, 0, time.perf_counter()
         for stem, exprs in _kernels.instantiations().items():
             try:
                 results = _offline.compile_stem(stem, arch, cache=cache)
@@ -63,13 +63,15 @@ def compile_command(archs: list[str], verbose: bool, cache: bool) -> int:
                     print(e.log)
                 continue
             total += len(results)
+            cached += sum(r.cached for r in results)
             how = "from the cache" if results and results[0].cached else f"{results[0].seconds:.2f} s"
             print(f"{arch:7s} {stem:12s} {len(exprs):4d} instantiations  {how}")
             if verbose:
                 for r in results:
                     print(f"    {r.expression:60s} {r.lowered_name}")
+        took = time.perf_counter() - start
         print(
-            f"{arch}: {total} instantiations compiled with NVRTC {major}.{minor} in {time.perf_counter() - start:.2f} s"
+            f"{arch}: {total} instantiations compiled by NVRTC {major}.{minor} ({cached} from the cache), {took:.2f} s"
         )
     if failures:
         print(f"FAILED: {failures} instantiations" + ("" if verbose else " (--verbose shows NVRTC's log)"))

@@ -98,7 +98,7 @@ MERGE_STATE = Kernel(
     params=_params(
         "ptr va, i64 va_st, i64 va_sh, ptr vb, i64 vb_st, i64 vb_sh, ptr out, i64 out_st, i64 out_sh,"
         " ptr sa, i64 sa_st, i64 sa_sh, ptr sb, i64 sb_st, i64 sb_sh, ptr olse, i64 ol_st, i64 ol_sh,"
-        " i64 T, i64 H, i64 D, i64 lanes, i64 prefix_rows, i64 suffix_verbatim,"
+        " i64 T, i64 H, i64 D, i64 lanes, i64 narrow, i64 prefix_rows, i64 suffix_verbatim,"
         " ptr a_cu, ptr a_lens, i64 a_batch, i64 a_is64, ptr row_mask, ptr sinks,"
         " f32 k, f32 inv_k, ptr out_scale"
     ),

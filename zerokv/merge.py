@@ -299,7 +299,7 @@ class _MergeTwoPlan:
             if out is None:
                 out = self.empty(sha, dtype=self.t_out, device=v_a.device)
                 po, sto = out.data_ptr(), (H * D, D, 1)
-                end_o = 0
+                end_o = po
             else:
                 if out.get_device() != dev or out.shape != sha or out.requires_grad or out.is_inference():
                     return None
@@ -319,6 +319,7 @@ class _MergeTwoPlan:
             if out_lse is None and self.allocate_lse:
                 out_lse = self.empty(th, dtype=f32, device=v_a.device)
                 pl, stl = out_lse.data_ptr(), (H, 1)
+                end_l = pl
             elif out_lse is not None:
                 if (
                     out_lse.dtype is not f32 or out_lse.get_device() != dev or out_lse.shape != th
@@ -336,15 +337,18 @@ class _MergeTwoPlan:
                 if (pl < end_a and pa < end_l) or (pl < end_b and pb < end_l) or (pl < end_o and po < end_l):
                     return None
             else:
-                pl, stl = 0, (0, 0)
+                pl, stl, end_l = 0, (0, 0), 0
         except (AttributeError, TypeError, ValueError):  # not torch tensors, or not 3-D / 2-D
             return None
         lanes, launch = self.geometry(D, T * H, pl in (psa, psb))
+        # 32-bit index math when every span (bytes bound elements) and thread index fits
+        span = max(end_a - pa, end_b - pb, end_sa - psa, end_sb - psb, end_o - po, T * H * max(D, 1) * 4)
+        narrow = int(span < _INT32 and T * H * lanes < _INT32 and (out_lse is None or end_l - pl < _INT32))
         launch(
             -(-T * H * lanes // self.block), _torch_stream(dev),
             pa, sta[0], sta[1], pb, stb[0], stb[1], po, sto[0], sto[1],
             psa, ssa[0], ssa[1], psb, ssb[0], ssb[1], pl, stl[0], stl[1],
-            T, H, D, lanes, T if prefix_rows is None else prefix_rows,
+            T, H, D, lanes, narrow, T if prefix_rows is None else prefix_rows,
             self.verbatim, 0, 0, 0, 0, 0, 0, self.k, self.inv_k, 0,
         )  # fmt: skip
         return out, out_lse
@@ -375,6 +379,9 @@ class _MergeTwoPlan:
         if T * H == 0:
             return out, out_lse
         lanes, launch = self.geometry(D, T * H, ol is not None and ol[0] in (sa[0], sb[0]))
+        narrow = int(
+            T * H * lanes < _INT32 and all(_elements_span(x) < _INT32 for x in (va, vb, o, sa, sb, ol) if x)
+        )
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
@@ -382,7 +389,7 @@ class _MergeTwoPlan:
             -(-T * H * lanes // self.block), call.stream(),
             va[0], va_s[0], va_s[1], vb[0], vb_s[0], vb_s[1], o[0], o_s[0], o_s[1],
             sa[0], sa_s[0], sa_s[1], sb[0], sb_s[0], sb_s[1], ol_ptr, ol_st, ol_sh,
-            T, H, D, lanes, prefix, self.verbatim,
+            T, H, D, lanes, narrow, prefix, self.verbatim,
             cu[0] if cu else 0, lens[0] if lens else 0, cu[1][0] - 1 if cu else 0, self.a_is64,
             mask[0] if mask else 0, sinks[0] if sinks else 0, self.k, self.inv_k,
             scale[0] if scale else 0,
@@ -424,6 +431,14 @@ def _fast_checks_two(f: list, prefix_rows: Any) -> bool:
     if sinks is not None and (sinks[1] != (H,) or (H > 1 and sinks[2][0] != 1)):
         return False
     return not (scale is not None and _numel(scale[1]) != 1)
+
+
+_INT32 = 1 << 31
+
+
+def _elements_span(f: tuple) -> int:
+    """Elements between a tensor's lowest and highest addressed element, plus one."""
+    return 1 + sum((n - 1) * abs(st) for n, st in zip(f[1], f[2], strict=True) if n > 0)
 
 
 def _numel(shape: tuple) -> int:
