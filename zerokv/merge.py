@@ -231,6 +231,7 @@ class _MergeTwoPlan:
         # the kernel with a_empty / mask / sinks / fp8-scale code only when the signature has one
         self.full = int(any(x is not None for x in call.objs[6:]) or out_dtype in _dtypes.FP8)
         self.geo: dict = {}
+        self.last_geo_key, self.last_geo = None, None
         self.block = _kernels.MERGE_STATE.block
         self.sms = _runtime.sm_count(v["device"])
         self.device = v["device"]
@@ -254,13 +255,17 @@ class _MergeTwoPlan:
         """``(lanes, launcher)`` for rows of width D: the packs per thread pick the instantiation.
         ``inplace_lse``: out_lse is s_a or s_b, so a row's lanes must share one warp."""
         nbytes = rows * D * self.elem_bytes
-        mid = self.mid_lo <= nbytes <= self.mid_hi
-        g = self.geo.get((D, mid, inplace_lse))
+        key = (D, self.mid_lo <= nbytes <= self.mid_hi, inplace_lse)
+        if key == self.last_geo_key:  # an engine's calls: one D, one layout
+            return self.last_geo
+        mid = key[1]
+        g = self.geo.get(key)
         if g is None:
             lanes, ppt = _geometry(D // self.vec, mid, inplace_lse)
             targs = (*self.targs, ppt, self.full)
             launch = _plans.launcher(_kernels.MERGE_STATE, targs, self.device)
-            g = self.geo[(D, mid, inplace_lse)] = (lanes, launch)
+            g = self.geo[key] = (lanes, launch)
+        self.last_geo_key, self.last_geo = key, g
         return g
 
     def torch_call(self, v_a, s_a, v_b, s_b, out, out_lse, prefix_rows):
