@@ -27,6 +27,8 @@ def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
     skip_two = pytest.mark.skip(reason=f"needs two CUDA GPUs ({GPUS} found)")
     for item in items:
+        if "multigpu" in item.keywords:  # -m gpu selects the two-GPU tests too
+            item.add_marker(pytest.mark.gpu)
         if "multigpu" in item.keywords and GPUS < 2:
             item.add_marker(skip_two)
         elif "gpu" in item.keywords and not HAS_GPU:

@@ -144,6 +144,18 @@ def test_compile_error_names_only_the_failing_instantiations(broken_fp8, cache_d
     assert "merge.cu(" in info.value.log
 
 
+def test_an_error_outside_templates_is_one_line_for_every_instantiation(tmp_path, cache_dir, monkeypatch):
+    copy = tmp_path / "kernels_cu"
+    shutil.copytree(_runtime.kernel_dir(), copy)
+    (copy / "common.cuh").write_text((copy / "common.cuh").read_text() + "\nzerokv_not_a_type x;\n")
+    monkeypatch.setattr(_runtime, "kernel_dir", lambda: copy)
+    with pytest.raises(_offline.CompileError) as info:
+        _offline.compile_stem("empty_rows", "sm_90")
+    (only,) = info.value.failing
+    n = len(_kernels.instantiations()["empty_rows"])
+    assert only[0] == f"every instantiation ({n})" and "zerokv_not_a_type" in only[1]
+
+
 def test_second_compile_comes_from_the_cache(cache_dir, monkeypatch):
     exprs = _kernels.instantiations()["empty_rows"][:2]
     monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: {"empty_rows": exprs})

@@ -75,7 +75,9 @@ def test_block_size_reaches_the_launch_bounds(kernel):
 def test_packing_follows_c_alignment(kernel):
     packer = kernel.packer
     offset = 0
-    for (name, ctype), code in zip(kernel.params, re.findall(r"x*([A-Za-z])", packer.format[1:]), strict=False):
+    for (name, ctype), code in zip(
+        kernel.params, re.findall(r"x*([A-Za-z])", packer.format[1:]), strict=False
+    ):
         size = _kernels.CTYPES[ctype][1]
         offset += -offset % size
         assert _kernels.CTYPES[ctype][0] == code, name

@@ -213,6 +213,11 @@ def compile_stem(
     start = time.perf_counter()
     result = _compile(code, filename, exprs, arch)
     if isinstance(result, str):
+        common = _compile(code, filename, [], arch)  # no instantiation: an error every one shares
+        if isinstance(common, str):
+            raise CompileError(
+                stem, arch, [(f"every instantiation ({len(exprs)})", _first_error(common))], result
+            )
         failing = []
         for e in exprs:  # alone, each instantiation shows whether it is one that fails
             alone = _compile(code, filename, [e], arch)

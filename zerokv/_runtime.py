@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import _kernels
+from . import _cache, _kernels
 from ._kernels import Kernel
 
 # Options shared by the run-time (CuPy) and the offline (cuda-bindings) compiles. CuPy adds
@@ -98,6 +98,7 @@ def loaded_count() -> int:
 def _build(code: str, expr: str, device: int) -> Loaded:
     global _modules_built
     cupy = import_cupy()
+    _cache.guard_cupy_cache()  # a read-only CUPY_CACHE_DIR: read it, keep new kernels in memory
     check_device(device)
     with cupy.cuda.Device(device):
         module = cupy.RawModule(code=code, options=NVRTC_OPTIONS, name_expressions=[expr])
@@ -120,6 +121,7 @@ MIN_CAPABILITY = (8, 0)
 
 
 def import_cupy() -> Any:
+    _cache.check_cupy_cache_dir()  # a cache directory that cannot be created: a clear error
     try:
         import cupy
     except ImportError as e:  # pragma: no cover - depends on the environment
