@@ -354,7 +354,7 @@ def summary(rows: list[Row], targets: list[Target], copy_note: str = "") -> str:
     copy = next((r for r in rows if r.op == "copy" and r.gbps), None)
     parts = [
         f"GB/s = 1e9 bytes read + written per second; % = of the copy bandwidth, {copy.gbps:.0f} GB/s "
-        f"(torch copy_ of {copy.bytes / 2 / 2**20:.0f} MiB, {us(copy.us)} µs GPU time)"
+        f"({copy.impl} of {copy.bytes / 2 / 2**20:.0f} MiB, {us(copy.us)} µs GPU time)"
         if copy
         else "no copy bandwidth measured"
     ]

@@ -93,10 +93,10 @@ __device__ __forceinline__ void store_merged(Tout* dst, const Pack<Tin, VEC>& a,
 // without that code so it fits the register budget of full occupancy.
 template <int PPT, int FULL> struct MinBlocks { static constexpr int value = PPT == 1 ? (FULL ? 12 : 16) : 8; };
 
-// The kernel's body for one index type I: int when every offset it forms fits in 32 bits (the
-// host says so: `narrow`), else 64-bit. Fewer instructions before the loads: lower latency.
-template <typename I, typename Tin, typename Tout, int VEC, int PPT, int FULL>
-__device__ __forceinline__ void merge_state_body(
+// I: the index type, int when every offset the kernel forms fits in 32 bits (the host picks
+// it: fewer instructions before the loads, lower latency), else 64-bit.
+template <typename Tin, typename Tout, int VEC, int PPT, int FULL, typename I>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FULL>::value) merge_state_kernel(
     const Tin* va, i64 va_st, i64 va_sh,
     const Tin* vb, i64 vb_st, i64 vb_sh,
     Tout* out, i64 out_st, i64 out_sh,
@@ -110,7 +110,7 @@ __device__ __forceinline__ void merge_state_body(
     const unsigned char* row_mask,  // rows with mask 0 are not touched (null: all rows)
     const float* sinks,             // [H] attention-sink logits (null: none)
     float k, float inv_k,
-    const float* out_scale) {
+    const float* out_scale) {       // fp8 output: out = merged / *out_scale (null: 1)
   const I rows = (I)T * (I)H;
   const I gtid = (I)blockIdx.x * (I)blockDim.x + (I)threadIdx.x;
   const int shift = __ffs((int)lanes) - 1;
@@ -181,34 +181,6 @@ __device__ __forceinline__ void merge_state_body(
   }
   __syncwarp();  // every lane of the group has read s_a / s_b before the LSE is written
   if (write && col == 0 && olse != nullptr) olse[t * (I)ol_st + h * (I)ol_sh] = c.lse;
-}
-
-template <typename Tin, typename Tout, int VEC, int PPT, int FULL>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FULL>::value) merge_state_kernel(
-    const Tin* va, i64 va_st, i64 va_sh,
-    const Tin* vb, i64 vb_st, i64 vb_sh,
-    Tout* out, i64 out_st, i64 out_sh,
-    const float* sa, i64 sa_st, i64 sa_sh,
-    const float* sb, i64 sb_st, i64 sb_sh,
-    float* olse, i64 ol_st, i64 ol_sh,
-    i64 T, i64 H, i64 D, i64 lanes,
-    i64 narrow,           // every offset (and every thread index) fits in int32
-    i64 prefix_rows,      // rows t >= prefix_rows take state b alone
-    i64 suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
-    const void* a_cu, const void* a_lens, i64 a_batch, i64 a_is64,  // requests with empty a
-    const unsigned char* row_mask,  // rows with mask 0 are not touched (null: all rows)
-    const float* sinks,             // [H] attention-sink logits (null: none)
-    float k, float inv_k,
-    const float* out_scale) {       // fp8 output: out = merged / *out_scale (null: 1)
-  if (narrow) {
-    merge_state_body<int, Tin, Tout, VEC, PPT, FULL>(va, va_st, va_sh, vb, vb_st, vb_sh, out, out_st, out_sh, sa,
-        sa_st, sa_sh, sb, sb_st, sb_sh, olse, ol_st, ol_sh, T, H, D, lanes, prefix_rows, suffix_verbatim, a_cu,
-        a_lens, a_batch, a_is64, row_mask, sinks, k, inv_k, out_scale);
-  } else {
-    merge_state_body<i64, Tin, Tout, VEC, PPT, FULL>(va, va_st, va_sh, vb, vb_st, vb_sh, out, out_st, out_sh, sa,
-        sa_st, sa_sh, sb, sb_st, sb_sh, olse, ol_st, ol_sh, T, H, D, lanes, prefix_rows, suffix_verbatim, a_cu,
-        a_lens, a_batch, a_is64, row_mask, sinks, k, inv_k, out_scale);
-  }
 }
 
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both

@@ -134,10 +134,12 @@ def test_a_kernel_compiles_and_runs_with_a_read_only_cupy_cache(monkeypatch, tmp
 
     from zerokv import _kernels, _runtime
 
+    out = cupy.full(32, float("nan"), dtype=cupy.float32)  # CuPy's own fill kernel, compiled first
     _cache.guard_cupy_cache()
     backend = compiler._kernel_cache_backend
     disk = backend.inner if isinstance(backend, _cache.TolerantCache) else backend
     monkeypatch.setattr(disk, "_cache_dir", str(tmp_path / "missing"))  # every write fails
+    monkeypatch.setattr(_cache, "_warned", set())  # the warning is once per process: forget it
     token = uuid.uuid4().hex  # a source no disk cache holds
     probe = _kernels.Kernel(
         stem=f"cache_probe_{token}",
@@ -147,7 +149,6 @@ def test_a_kernel_compiles_and_runs_with_a_read_only_cupy_cache(monkeypatch, tmp
         params=(("out", "ptr"),),
         code=f"// {token}\ntemplate <int N> __global__ void cache_probe_kernel(float* out) {{ out[threadIdx.x] = N; }}\n",
     )
-    out = cupy.full(32, float("nan"), dtype=cupy.float32)
     with pytest.warns(RuntimeWarning, match="cannot be written"):
         launch = _runtime.Launcher(probe, (7,), 0)
     launch(1, _runtime.cupy_stream(0), out.data.ptr)

@@ -83,22 +83,24 @@ _O = [_dtypes.ctype(o) for o in _dtypes.V_OUT]
 
 # PPT: packs of V per thread per round (1 or 2). FULL = 0: the common call compiled without the
 # code of a_empty, row masks, sinks and the fp8 scale (an fp8 output always needs FULL = 1).
+# The index type: int where every offset fits in 32 bits (lean kernels only), else long long.
 MERGE_STATE = Kernel(
     stem="merge",
     name="merge_state_kernel",
     instances=tuple(
-        (ci, co, v, ppt, full)
+        (ci, co, v, ppt, full, index)
         for ci, i in _V
         for co in _O
         for v in (1, _vec(i))
         for ppt in (1, 2)
         for full in ((1,) if co == _dtypes.ctype("float8_e4m3fn") else (0, 1))
+        for index in (("long long",) if full else ("int", "long long"))
     ),
     block=128,
     params=_params(
         "ptr va, i64 va_st, i64 va_sh, ptr vb, i64 vb_st, i64 vb_sh, ptr out, i64 out_st, i64 out_sh,"
         " ptr sa, i64 sa_st, i64 sa_sh, ptr sb, i64 sb_st, i64 sb_sh, ptr olse, i64 ol_st, i64 ol_sh,"
-        " i64 T, i64 H, i64 D, i64 lanes, i64 narrow, i64 prefix_rows, i64 suffix_verbatim,"
+        " i64 T, i64 H, i64 D, i64 lanes, i64 prefix_rows, i64 suffix_verbatim,"
         " ptr a_cu, ptr a_lens, i64 a_batch, i64 a_is64, ptr row_mask, ptr sinks,"
         " f32 k, f32 inv_k, ptr out_scale"
     ),

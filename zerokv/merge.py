@@ -251,8 +251,9 @@ class _MergeTwoPlan:
         l2 = _runtime.l2_bytes(self.device)
         self.mid_lo, self.mid_hi = l2 // 10, 6 * l2 // 10
 
-    def geometry(self, D: int, rows: int, inplace_lse: bool) -> tuple[int, Any]:
-        """``(lanes, launcher)`` for rows of width D: the packs per thread pick the instantiation.
+    def geometry(self, D: int, rows: int, inplace_lse: bool) -> tuple[int, Any, Any]:
+        """``(lanes, launcher with int indices, launcher with 64-bit indices)`` for rows of
+        width D: the packs per thread and the index type pick the instantiation.
         ``inplace_lse``: out_lse is s_a or s_b, so a row's lanes must share one warp."""
         nbytes = rows * D * self.elem_bytes
         key = (D, self.mid_lo <= nbytes <= self.mid_hi, inplace_lse)
@@ -262,9 +263,15 @@ class _MergeTwoPlan:
         g = self.geo.get(key)
         if g is None:
             lanes, ppt = _geometry(D // self.vec, mid, inplace_lse)
-            targs = (*self.targs, ppt, self.full)
-            launch = _plans.launcher(_kernels.MERGE_STATE, targs, self.device)
-            g = self.geo[key] = (lanes, launch)
+            wide = _plans.launcher(
+                _kernels.MERGE_STATE, (*self.targs, ppt, self.full, "long long"), self.device
+            )
+            narrow = (
+                wide
+                if self.full
+                else _plans.launcher(_kernels.MERGE_STATE, (*self.targs, ppt, 0, "int"), self.device)
+            )
+            g = self.geo[key] = (lanes, narrow, wide)
         self.last_geo_key, self.last_geo = key, g
         return g
 
@@ -345,15 +352,15 @@ class _MergeTwoPlan:
                 pl, stl, end_l = 0, (0, 0), 0
         except (AttributeError, TypeError, ValueError):  # not torch tensors, or not 3-D / 2-D
             return None
-        lanes, launch = self.geometry(D, T * H, pl in (psa, psb))
+        lanes, narrow, wide = self.geometry(D, T * H, pl in (psa, psb))
         # 32-bit index math when every span (bytes bound elements) and thread index fits
         span = max(end_a - pa, end_b - pb, end_sa - psa, end_sb - psb, end_o - po, T * H * max(D, 1) * 4)
-        narrow = int(span < _INT32 and T * H * lanes < _INT32 and (out_lse is None or end_l - pl < _INT32))
-        launch(
+        fits = span < _INT32 and T * H * lanes < _INT32 and (out_lse is None or end_l - pl < _INT32)
+        (narrow if fits else wide)(
             -(-T * H * lanes // self.block), _torch_stream(dev),
             pa, sta[0], sta[1], pb, stb[0], stb[1], po, sto[0], sto[1],
             psa, ssa[0], ssa[1], psb, ssb[0], ssb[1], pl, stl[0], stl[1],
-            T, H, D, lanes, narrow, T if prefix_rows is None else prefix_rows,
+            T, H, D, lanes, T if prefix_rows is None else prefix_rows,
             self.verbatim, 0, 0, 0, 0, 0, 0, self.k, self.inv_k, 0,
         )  # fmt: skip
         return out, out_lse
@@ -383,10 +390,11 @@ class _MergeTwoPlan:
             ol = read(out_lse)
         if T * H == 0:
             return out, out_lse
-        lanes, launch = self.geometry(D, T * H, ol is not None and ol[0] in (sa[0], sb[0]))
-        narrow = int(
-            T * H * lanes < _INT32 and all(_elements_span(x) < _INT32 for x in (va, vb, o, sa, sb, ol) if x)
+        lanes, narrow, wide = self.geometry(D, T * H, ol is not None and ol[0] in (sa[0], sb[0]))
+        fits = T * H * lanes < _INT32 and all(
+            _elements_span(x) < _INT32 for x in (va, vb, o, sa, sb, ol) if x
         )
+        launch = narrow if fits else wide
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
@@ -394,7 +402,7 @@ class _MergeTwoPlan:
             -(-T * H * lanes // self.block), call.stream(),
             va[0], va_s[0], va_s[1], vb[0], vb_s[0], vb_s[1], o[0], o_s[0], o_s[1],
             sa[0], sa_s[0], sa_s[1], sb[0], sb_s[0], sb_s[1], ol_ptr, ol_st, ol_sh,
-            T, H, D, lanes, narrow, prefix, self.verbatim,
+            T, H, D, lanes, prefix, self.verbatim,
             cu[0] if cu else 0, lens[0] if lens else 0, cu[1][0] - 1 if cu else 0, self.a_is64,
             mask[0] if mask else 0, sinks[0] if sinks else 0, self.k, self.inv_k,
             scale[0] if scale else 0,

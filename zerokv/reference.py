@@ -55,7 +55,7 @@ def apply_sinks(out, lse, sinks, lse_base: str | int = "e") -> tuple[np.ndarray,
     ``(0, sink_h)``; a sink of -inf changes nothing; NaN propagates."""
     base = _base(lse_base)
     sink = np.broadcast_to(np.asarray(sinks, dtype=np.float64), lse.shape)
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+    with np.errstate(over="ignore", under="ignore", invalid="ignore", divide="ignore"):
         m = np.maximum(lse, sink)
         m_safe = np.where(np.isfinite(m), m, 0.0)
         total = m_safe + np.log(np.power(base, lse - m_safe) + np.power(base, sink - m_safe)) / np.log(base)
