@@ -350,14 +350,15 @@ def test_runs_on_the_current_torch_stream():
 @pytest.mark.gpu
 def test_cuda_graph_capture_and_replay():
     T, H, D = 2048, 16, 128
-    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, "cuda", seed=23)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, dev, seed=23)
     out = torch.full_like(v_a, NAN)
     lse = torch.full_like(s_a, NAN)
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)  # compile and load first
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.device(dev), torch.cuda.graph(graph):
         zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
-    fresh = make_states(T, H, D, torch.bfloat16, "cuda", seed=29)
+    fresh = make_states(T, H, D, torch.bfloat16, dev, seed=29)
     for dst, src in zip((v_a, s_a, v_b, s_b), fresh, strict=True):
         dst.copy_(src)
     out.fill_(NAN)

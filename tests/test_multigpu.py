@@ -23,6 +23,15 @@ from zerokv.compat import flashinfer, sglang, vllm
 pytestmark = pytest.mark.multigpu
 
 
+@pytest.fixture(autouse=True)
+def _restore_current_device():
+    """These tests switch devices; the tests after them find the device they started on."""
+    before = torch.cuda.current_device() if torch.cuda.is_available() else None
+    yield
+    if before is not None:
+        torch.cuda.set_device(before)
+
+
 def _merge_calls(dev):
     """(name, call, check) for every merge op and adapter on ``dev``."""
     v_a, s_a, v_b, s_b = make_states(300, 8, 64, torch.bfloat16, dev, seed=1)
