@@ -1,0 +1,147 @@
+"""The torch fast paths launch exactly what the validating path launches (no GPU needed).
+
+Each op has two ways to a launch: the validating path (``Call`` facts, full checks on a
+signature's first call) and, for the engine's call with torch tensors, a plan's straight-line
+``torch_call``. Here both run on CPU tensors with the launchers replaced by recorders (a plan
+built from CPU tensors has device -1, which is all the fast path compares against), and must
+record the same instantiation, grid and packed arguments, byte for byte, over many layouts.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from zerokv import _call, _kernels, _plans, _runtime, empty_rows, merge
+
+
+class _Recorder:
+    """Stands for a Launcher: records (instantiation, grid, packed arguments)."""
+
+    def __init__(self, kernel, targs, device):
+        self.kernel, self.targs = kernel, targs
+        self.calls: list[tuple] = []
+
+    def __call__(self, grid, stream, *args):
+        self.calls.append((self.targs, grid, self.kernel.packer.pack(*args)))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    log: list[tuple] = []
+
+    def launcher(kernel, targs, device):
+        rec = _Recorder(kernel, targs, device)
+        rec.calls = log
+        return rec
+
+    monkeypatch.setattr(_plans, "launcher", launcher)
+    monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
+    monkeypatch.setattr(_runtime, "l2_bytes", lambda device: 50 << 20)
+    monkeypatch.setattr(merge, "_torch_stream", lambda device: 0)
+    monkeypatch.setattr(empty_rows._runtime, "torch_stream", lambda device: 0)
+    monkeypatch.setattr(_call.Call, "stream", lambda self: 0)
+    return log
+
+
+def _both(log, fast, slow) -> None:
+    """Run the fast path, then the validating path; both must launch, identically."""
+    log.clear()
+    done = fast()
+    assert done is not None and done is not False, "the fast path declined the call"
+    first = log[-1]
+    log.clear()
+    slow()
+    assert log, "the validating path launched nothing"
+    assert log[-1] == first
+
+
+def _states(T, H, D, dtype, lse_ht, pad_h):
+    """Inputs in engine layouts: padded heads (``pad_h``), an [H, T] LSE buffer as ``.T``."""
+    g = torch.Generator().manual_seed(T * 131 + H * 7 + D)
+    v = [torch.randn(T, H + pad_h, D, generator=g).to(dtype)[:, :H] for _ in range(2)]
+    if lse_ht:
+        s = [torch.randn(H, T, generator=g).T for _ in range(2)]
+    else:
+        s = [torch.randn(T, H, generator=g) for _ in range(2)]
+    return v[0], s[0], v[1], s[1]
+
+
+LAYOUTS = list(
+    itertools.product(
+        [(1, 16, 512), (7, 8, 64), (64, 32, 128), (300, 4, 72), (2048, 2, 128)],
+        [torch.bfloat16, torch.float16, torch.float32],
+        [False, True],  # LSE [H, T] as .T
+        [0, 3],  # padded heads
+    )
+)
+
+
+@pytest.mark.parametrize("shape, dtype, lse_ht, pad_h", LAYOUTS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_merge_state_fast_path_packs_what_the_validating_path_packs(
+    recorded, shape, dtype, lse_ht, pad_h, inplace
+):
+    T, H, D = shape
+    v_a, s_a, v_b, s_b = _states(T, H, D, dtype, lse_ht, pad_h)
+    out, out_lse = (v_a, s_a) if inplace else (torch.empty(T, H, D, dtype=dtype), torch.empty(T, H))
+    objs = (v_a, s_a, v_b, s_b, out, out_lse)
+    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+    for prefix in (None, T // 2):
+        _both(
+            recorded,
+            lambda p=prefix: plan.torch_call(*objs, p),
+            lambda p=prefix: plan(_fresh(objs), p, None),
+        )
+
+
+def _fresh(objs):
+    """The validating path's view of a merge_state call (its signature's layout facts set)."""
+    call = _call.Call("merge_state", objs, ("e", True, False, False))
+    call.key(merge._aligned_two(call))
+    return call
+
+
+@pytest.mark.parametrize("shape, dtype, lse_ht, pad_h", LAYOUTS[::3])
+def test_merge_states_fast_path_packs_what_the_validating_path_packs(recorded, shape, dtype, lse_ht, pad_h):
+    T, H, D = shape
+    g = torch.Generator().manual_seed(5)
+    v = torch.randn(T, 3, H + pad_h, D, generator=g).to(dtype)[:, :, :H].permute(1, 0, 2, 3)
+    s = torch.randn(T, 3, H, generator=g).permute(1, 0, 2)
+    out, out_lse = torch.empty(T, H, D, dtype=dtype), torch.empty(H, T).T if lse_ht else torch.empty(T, H)
+    objs = (v, s, out, out_lse, None, None)
+
+    def validating():
+        call = _call.Call("merge_states", objs, ("e", False))
+        call.key(merge._aligned_n(call))
+        return plan(call)
+
+    first = _call.Call("merge_states", objs, ("e", False))
+    first.key(merge._aligned_n(first))
+    plan = merge._MergeNPlan(first)
+    _both(recorded, lambda: plan.torch_call(v, s, out, out_lse), validating)
+
+
+@pytest.mark.parametrize("rule", [_kernels.RULE_KV_LENS_ZERO, _kernels.RULE_CONTEXT_SPAN_EMPTY])
+@pytest.mark.parametrize("index", [torch.int32, torch.int64])
+@pytest.mark.parametrize("shape, pad_h", [((40, 4, 64), 0), ((40, 4, 64), 2), ((9, 3, 7), 0)])
+def test_empty_rows_fast_path_packs_what_the_validating_path_packs(recorded, rule, index, shape, pad_h):
+    T, H, D = shape
+    out = torch.randn(T, H + pad_h, D, dtype=torch.bfloat16)[:, :H]
+    lse = torch.randn(H, T).T
+    cu = torch.tensor([0, 5, 5, 17, T], dtype=index)
+    lens = (
+        torch.tensor([0, 3, 0, 2], dtype=index) if rule == 0 else torch.tensor([0, 4, 4, 9, 9], dtype=index)
+    )
+    objs = (out, lse, cu, lens)
+    names = ("out", "lse", "cu_seqlens_q", "kv_lens")
+
+    def call_of():
+        c = _call.Call("empty_rows", objs, (rule,))
+        c.key(empty_rows._aligned(c))
+        return c
+
+    plan = empty_rows._EmptyRowsPlan(call_of(), rule, names)
+    _both(recorded, lambda: plan.torch_call(*objs), lambda: plan(call_of(), rule, names))
