@@ -30,7 +30,18 @@ class Call:
     ``scalars``: the call's other signature parts (base, flags). ``device``: the first
     tensor's device (-1: host memory)."""
 
-    __slots__ = ("op", "objs", "facts", "dtypes", "device", "is_torch", "mixed", "scalars", "aligned")
+    __slots__ = (
+        "op",
+        "objs",
+        "facts",
+        "dtypes",
+        "device",
+        "is_torch",
+        "mixed",
+        "scalars",
+        "aligned",
+        "widest",
+    )
 
     def __init__(self, op: str, objs: tuple, scalars: tuple) -> None:
         self.op = op
@@ -44,6 +55,7 @@ class Call:
             self.is_torch = True
         except (AttributeError, KeyError, TypeError):  # any other producer, or not a tensor
             devices = self._read_any(objs)
+        self.widest = None  # set by disjoint_outputs
         self.mixed = len(devices) > 1
         self.device = min(devices) if devices else -1
 
@@ -114,9 +126,12 @@ class Call:
         the call to the full check, which decides exactly (and raises when they overlap)."""
         facts, dtypes = self.facts, self.dtypes
         spans = {}
+        widest = 0
         for i, f in enumerate(facts):
             if f is not None:
-                spans[i] = _span(f, itemsizes[i])
+                spans[i] = s = _span(f, itemsizes[i])
+                widest = max(widest, s[1] - s[0])
+        self.widest = widest  # bytes of the widest tensor: bounds any element offset it holds
         for o, may_alias in outs:
             so = spans.get(o)
             if so is None:

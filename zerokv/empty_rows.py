@@ -69,9 +69,8 @@ def _run(rule: int, out: Any, lse: Any, cu: Any, lens: Any, names: tuple[str, ..
     """``names``: how the caller calls (out, lse, cu, lens), for error messages."""
     fast_key = None
     if type(out) is torch_tensor_type():
-        with contextlib.suppress(
-            AttributeError
-        ):  # the engine call: a short signature, its plan checks the rest
+        # the engine call: a short signature, its plan checks the rest
+        with contextlib.suppress(AttributeError):
             fast_key = ("empty_rows:torch", rule, out.dtype, out.get_device(), cu.dtype, lens.dtype)
         plan = _plans.find(fast_key)
         if plan is not None and plan.torch_call(out, lse, cu, lens):

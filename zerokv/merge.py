@@ -391,9 +391,10 @@ class _MergeTwoPlan:
         if T * H == 0:
             return out, out_lse
         lanes, narrow, wide = self.geometry(D, T * H, ol is not None and ol[0] in (sa[0], sb[0]))
-        fits = T * H * lanes < _INT32 and all(
-            _elements_span(x) < _INT32 for x in (va, vb, o, sa, sb, ol) if x
-        )
+        # 32-bit index math when every span (bytes bound elements) and thread index fits; the
+        # outputs allocated above are contiguous, no wider than T * H * D * 4 bytes
+        widest = _INT32 if call.widest is None else max(call.widest, T * H * max(D, 1) * 4)
+        fits = T * H * lanes < _INT32 and widest < _INT32
         launch = narrow if fits else wide
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
@@ -447,11 +448,6 @@ def _fast_checks_two(f: list, prefix_rows: Any) -> bool:
 
 
 _INT32 = 1 << 31
-
-
-def _elements_span(f: tuple) -> int:
-    """Elements between a tensor's lowest and highest addressed element, plus one."""
-    return 1 + sum((n - 1) * abs(st) for n, st in zip(f[1], f[2], strict=True) if n > 0)
 
 
 def _numel(shape: tuple) -> int:
