@@ -279,35 +279,3 @@ class _FakeTimer:
             call(*s)
         us = 20.0 + T * 0.5
         return us, us + 5.0, {"sets": len(sets), "timed_by": "fake"}
-
-
-def targets(rows: list[Row]) -> list[Any]:
-    """The issue's goals, for ``report.evaluate``: cp_merge no slower than the vLLM design at
-    every T, and within 1.2 x the collectives of its wire at T >= 1024."""
-    from .report import Target
-
-    def find(impl: str, T: int) -> Row | None:
-        return next((r for r in rows if r.op == OP and r.impl == impl and r.T == T and r.us), None)
-
-    out = []
-    Ts = sorted({r.T for r in rows if r.op == OP and r.T})
-    for impl, coll in ((ZEROKV, COLL_FP32), (ZEROKV_BF16, COLL_BF16)):
-        found = [(z.us / b.us, f"T={T}") for T in Ts if (z := find(impl, T)) and (b := find(VLLM, T))]
-        t = Target(f"{OP} {impl} / vLLM design, every T", "<= 1.00")
-        out.append(_worst(t, found, 1.0))
-        found = [
-            (z.us / c.us, f"T={T}") for T in Ts if T >= 1024 and (z := find(impl, T)) and (c := find(coll, T))
-        ]
-        t = Target(f"{OP} {impl} / {coll} alone, T >= 1024", "<= 1.20")
-        out.append(_worst(t, found, 1.2))
-    return out
-
-
-def _worst(t: Any, found: list[tuple[float, str]], goal: float) -> Any:
-    if not found:
-        return t
-    value, where = max(found)
-    missed = sum(v > goal for v, _ in found)
-    return t.judge(
-        value, goal, f"worst {value:.2f} x ({where}); {missed} of {len(found)} miss", at_least=False
-    )

@@ -24,6 +24,15 @@ def test_reference_matches_logaddexp_formula():
     np.testing.assert_allclose(out, wa * v_a + wb * v_b, rtol=1e-10, atol=1e-12)
 
 
+def test_max_error_counts_misplaced_nan_and_inf_as_infinite():
+    e = np.array([1.0, -np.inf, np.nan, 2.0])
+    assert reference.max_error(e + np.array([0.25, 0, 0, -0.5]), e) == 0.5
+    assert reference.max_error(np.array([1.0, -np.inf, 0.0, 2.0]), e) == np.inf  # NaN lost
+    assert reference.max_error(np.array([1.0, np.inf, np.nan, 2.0]), e) == np.inf  # inf sign
+    assert reference.max_error(np.array([np.nan, -np.inf, np.nan, 2.0]), e) == np.inf  # NaN added
+    assert reference.max_error(e[:3], e) == np.inf  # shapes differ
+
+
 def test_reference_base2_matches_formula():
     v_a, s_a, v_b, s_b = (f64(x) for x in make_states(17, 3, 4, torch.float64, edges=False))
     out, lse = reference.merge_state(v_a, s_a, v_b, s_b, lse_base=2)
