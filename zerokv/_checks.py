@@ -21,9 +21,11 @@ _OVERLAP_WORK = 4096  # candidate solutions numpy may try before calling an over
 
 
 def tensor(x: Any, arg: str, ndim: int, dtypes: tuple[str, ...]) -> Tensor:
+    """``x`` (a :class:`Tensor` record or any tensor) with ``ndim`` dimensions and a dtype among
+    ``dtypes``."""
     if x is None:
         raise TypeError(f"{arg}: expected a tensor, got None")
-    t = view(x, arg)
+    t = x if isinstance(x, Tensor) else view(x, arg)
     if len(t.shape) != ndim:
         raise ValueError(f"{arg}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
     _dtypes.require(arg, t.dtype, dtypes)
@@ -59,16 +61,63 @@ def _where(device: int) -> str:
     return "the CPU" if device < 0 else f"cuda:{device}"
 
 
+def contiguous_1d(t: Tensor, arg: str) -> None:
+    if t.shape[0] > 1 and t.strides[0] != 1:
+        raise ValueError(f"{arg}: must be contiguous, got stride {t.strides[0]}")
+
+
 def index_tensor(x: Any, arg: str, length: int | None, device: int) -> Tensor:
     """A 1-D int32/int64 offsets or lengths tensor of the given length."""
     t = tensor(x, arg, 1, _dtypes.INDEX_NAMES)
     if length is not None and t.shape[0] != length:
         raise ValueError(f"{arg}: expected {length} entries, got shape {tuple(t.shape)}")
-    if t.numel > 1 and t.strides[0] != 1:
-        raise ValueError(f"{arg}: must be contiguous, got stride {t.strides[0]}")
+    contiguous_1d(t, arg)
     if t.device != device:
         raise ValueError(f"{arg} is on {_where(t.device)} but the tensors are on {_where(device)}")
     return t
+
+
+def offsets_pair(cu: Any, lens: Any, arg: str, device: int, n_cu: str, n_lens: str) -> tuple[Tensor, Tensor]:
+    """``(cu_seqlens_q [B + 1], kv_lens [B])``, one index dtype, on the states' device;
+    ``n_cu``/``n_lens``: how the caller calls the two."""
+    if cu is None or lens is None:
+        missing = n_cu if cu is None else n_lens
+        raise ValueError(f"{arg}: both {n_cu} and {n_lens} are needed; {missing} is None")
+    c = index_tensor(cu, n_cu, None, device)
+    if c.shape[0] < 1:
+        raise ValueError(f"{n_cu}: expected B + 1 >= 1 entries, got 0")
+    ln = index_tensor(lens, n_lens, c.shape[0] - 1, device)
+    if ln.dtype != c.dtype:
+        raise TypeError(
+            f"{n_lens}: dtype {ln.dtype} differs from {n_cu} dtype {c.dtype}; use one index dtype"
+        )
+    return c, ln
+
+
+def pair(x: Any, arg: str) -> tuple[Any, Any]:
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        raise TypeError(f"{arg}: expected a pair (cu_seqlens_q, kv_lens), got {type(x).__name__}")
+    return x[0], x[1]
+
+
+def prefix_rows(value: Any, T: int, arg: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{arg}: expected an int or None, got {type(value).__name__} {value!r}")
+    if not 0 <= value <= T:
+        raise ValueError(f"{arg}: expected 0 <= {arg} <= T={T}, got {value}")
+
+
+def sinks(x: Any, arg: str, H: int, device: int) -> Tensor:
+    """Attention-sink logits: float32 ``[H]``, contiguous, on the states' device."""
+    s = tensor(x, arg, 1, _dtypes.LSE)
+    if s.shape[0] != H:
+        raise ValueError(f"{arg}: expected shape ({H},) (H), got {tuple(s.shape)}")
+    contiguous_1d(s, arg)
+    if s.device != device:
+        raise ValueError(f"{arg} is on {_where(s.device)} but the states are on {_where(device)}")
+    return s
 
 
 def lse_base(value: Any, arg: str = "lse_base") -> str:
@@ -84,16 +133,6 @@ def lse_base(value: Any, arg: str = "lse_base") -> str:
     raise ValueError(f"{arg}: expected 'e' or 2, got {value!r}")
 
 
-def same_memory_same_layout(a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
-    """In-place is supported when the alias is exact; any other overlap would race."""
-    if a.ptr == b.ptr and a.numel and (a.strides != b.strides or a.dtype != b.dtype):
-        raise ValueError(
-            f"{a_name} and {b_name} share memory with different layouts "
-            f"(strides {a.strides} vs {b.strides}, dtypes {a.dtype} vs {b.dtype}); "
-            "in-place use requires the same layout"
-        )
-
-
 def out_scale(x: Any, out_dtype: str, device: int, arg: str = "out_scale") -> Tensor | None:
     """The fp8 output scale: one float32 element on the states' device, given exactly when the
     output is float8_e4m3fn."""
@@ -103,7 +142,7 @@ def out_scale(x: Any, out_dtype: str, device: int, arg: str = "out_scale") -> Te
         return None
     if out_dtype not in _dtypes.FP8:
         raise ValueError(f"{arg}: only meaningful with a float8_e4m3fn output, got a {out_dtype} output")
-    t = view(x, arg)
+    t = x if isinstance(x, Tensor) else view(x, arg)
     _dtypes.require(arg, t.dtype, _dtypes.LSE)
     if t.numel != 1:
         raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
@@ -304,3 +343,14 @@ def _no_shared_elements(t: Tensor, arg: str) -> None:
                 "addresses; an output needs an address per element"
             )
         span += (n - 1) * s
+
+
+def outputs(outs: list, ins: list) -> None:
+    """Every output writable, sharing no byte with another output or an input, except an exact
+    alias of the inputs it names. ``outs``: ``[(name, Tensor | None, may_alias_names)]``;
+    ``ins``: ``[(name, Tensor | None)]`` (names as the caller knows them, each once)."""
+    for n, t, _ in outs:
+        if t is not None:
+            writable(t, n)
+    may_alias = [(n, a) for n, _, aliases in outs for a in aliases]
+    check_outputs({n: t for n, t, _ in outs}, dict(ins), may_alias=may_alias)

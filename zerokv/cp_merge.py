@@ -16,8 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _argchecks as _checks
-from . import _dtypes, _host, _kernels, _plans, _runtime
+from . import _checks, _dtypes, _host, _kernels, _plans, _runtime
 from ._tensors import Tensor, view
 
 _LOG2E = math.log2(math.e)
@@ -208,11 +207,11 @@ def _validate(
     torch, v, s, N, scatter, lse_base, wire_dtype, sinks, out, out_lse, out_scale, empty_shards, n
 ) -> _Args:
     """Every check of a call, on the host, before anything is allocated or written."""
-    vt = _checks.tensor_view(_view(torch, v, n("v")), n("v"), 3, _dtypes.V_IN)
+    vt = _checks.tensor(_view(torch, v, n("v")), n("v"), 3, _dtypes.V_IN)
     T, H, D = vt.shape
     if vt.numel:  # a zero-size tensor's strides mean nothing
         _checks.unit_last_stride(vt, n("v"))
-    st = _checks.tensor_view(_view(torch, s, n("s")), n("s"), 2, _dtypes.LSE)
+    st = _checks.tensor(_view(torch, s, n("s")), n("s"), 2, _dtypes.LSE)
     _checks.shape(st, n("s"), (T, H), "T, H")
     if T >= 2**31 or H >= 2**31:
         raise ValueError(f"{n('v')}: T and H must be below 2^31, got shape {(T, H, D)}")
@@ -229,13 +228,13 @@ def _validate(
     named = [(n("v"), vt), (n("s"), st)]
     o = ol = None
     if out is not None:
-        o = _checks.tensor_view(_view(torch, out, n("out")), n("out"), 3, _dtypes.V_OUT)
+        o = _checks.tensor(_view(torch, out, n("out")), n("out"), 3, _dtypes.V_OUT)
         _checks.shape(o, n("out"), (T, Hn, D), "T, heads of this rank, D")
         if o.numel:
             _checks.unit_last_stride(o, n("out"))
         named.append((n("out"), o))
     if out_lse is not None:
-        ol = _checks.tensor_view(_view(torch, out_lse, n("out_lse")), n("out_lse"), 2, _dtypes.LSE)
+        ol = _checks.tensor(_view(torch, out_lse, n("out_lse")), n("out_lse"), 2, _dtypes.LSE)
         _checks.shape(ol, n("out_lse"), (T, Hn), "T, heads of this rank")
         named.append((n("out_lse"), ol))
     device = _checks.same_device(named)
@@ -246,8 +245,8 @@ def _validate(
     sl = q = None
     if empty_shards is not None:
         sl_arg, q_arg = n("seq_lens"), n("query_start_loc")
-        sl = _checks.index_view(_view(torch, empty_shards[0], sl_arg), sl_arg, None, device)
-        q = _checks.index_view(_view(torch, empty_shards[1], q_arg), q_arg, sl.shape[0] + 1, device)
+        sl = _checks.index_tensor(_view(torch, empty_shards[0], sl_arg), sl_arg, None, device)
+        q = _checks.index_tensor(_view(torch, empty_shards[1], q_arg), q_arg, sl.shape[0] + 1, device)
     ins = [(n("v"), vt), (n("s"), st)]
     ins += [(nm, x) for nm, x in ((n("sinks"), sk), (n("out_scale"), scale)) if x is not None]
     ins += [(nm, x) for nm, x in ((n("seq_lens"), sl), (n("query_start_loc"), q)) if x is not None]

@@ -11,8 +11,7 @@ import contextlib
 import sys
 from typing import Any
 
-from . import _argchecks as _checks
-from . import _dtypes, _host, _kernels, _plans, _runtime
+from . import _checks, _dtypes, _host, _kernels, _plans, _runtime
 from ._call import Call
 from ._tensors import torch_tensor_type
 
@@ -89,17 +88,17 @@ def _run(rule: int, out: Any, lse: Any, cu: Any, lens: Any, names: tuple[str, ..
 def _validate(call: Call, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
     n_out, n_lse, n_cu, n_lens = names
     t = call.views(names)
-    o = _checks.tensor_view(t[n_out], n_out, 3, _dtypes.V_IN)
+    o = _checks.tensor(t[n_out], n_out, 3, _dtypes.V_IN)
     T, H, D = o.shape
     _checks.unit_last_stride(o, n_out)
-    s = _checks.tensor_view(t[n_lse], n_lse, 2, _dtypes.LSE)
+    s = _checks.tensor(t[n_lse], n_lse, 2, _dtypes.LSE)
     _checks.shape(s, n_lse, (T, H), "T, H")
     device = _checks.same_device([(n_out, o), (n_lse, s)])
-    c = _checks.index_view(t[n_cu], n_cu, None, device)
+    c = _checks.index_tensor(t[n_cu], n_cu, None, device)
     if c.shape[0] < 1:
         raise ValueError(f"{n_cu}: expected B + 1 >= 1 entries, got 0")
     B = c.shape[0] - 1
-    ln = _checks.index_view(
+    ln = _checks.index_tensor(
         t[n_lens], n_lens, B + 1 if rule == _kernels.RULE_CONTEXT_SPAN_EMPTY else B, device
     )
     if T >= 2**31:

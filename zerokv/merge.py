@@ -10,8 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import _argchecks as _checks
-from . import _dtypes, _host, _kernels, _plans, _runtime
+from . import _checks, _dtypes, _host, _kernels, _plans, _runtime
 from ._call import Call, read
 from ._tensors import torch_tensor_type
 
@@ -145,14 +144,14 @@ def _validate_two(call: Call, prefix_rows: Any, names: dict[str, str] | None) ->
     keys = ("v_a", "s_a", "v_b", "s_b", "out", "out_lse", "cu", "lens", "mask", "out_scale", "sinks")
     shown = (*(n[k] for k in keys[:6]), n_cu, n_lens, n["mask"], n["out_scale"], n["sinks"])
     t = call.views(keys, shown)
-    va = _checks.tensor_view(t["v_a"], n["v_a"], 3, _dtypes.V_IN)
+    va = _checks.tensor(t["v_a"], n["v_a"], 3, _dtypes.V_IN)
     T, H, D = va.shape
-    vb = _checks.tensor_view(t["v_b"], n["v_b"], 3, _dtypes.V_IN)
+    vb = _checks.tensor(t["v_b"], n["v_b"], 3, _dtypes.V_IN)
     _checks.shape(vb, n["v_b"], (T, H, D), "T, H, D")
     if vb.dtype != va.dtype:
         raise TypeError(f"{n['v_b']}: dtype {vb.dtype} differs from {n['v_a']} dtype {va.dtype}")
-    sa = _checks.tensor_view(t["s_a"], n["s_a"], 2, _dtypes.LSE)
-    sb = _checks.tensor_view(t["s_b"], n["s_b"], 2, _dtypes.LSE)
+    sa = _checks.tensor(t["s_a"], n["s_a"], 2, _dtypes.LSE)
+    sb = _checks.tensor(t["s_b"], n["s_b"], 2, _dtypes.LSE)
     _checks.shape(sa, n["s_a"], (T, H), "T, H")
     _checks.shape(sb, n["s_b"], (T, H), "T, H")
     _checks.unit_last_stride(va, n["v_a"])
@@ -162,12 +161,12 @@ def _validate_two(call: Call, prefix_rows: Any, names: dict[str, str] | None) ->
     named = [(n["v_a"], va), (n["s_a"], sa), (n["v_b"], vb), (n["s_b"], sb)]
     o = ol = None
     if t["out"] is not None:
-        o = _checks.tensor_view(t["out"], n["out"], 3, _dtypes.V_OUT)
+        o = _checks.tensor(t["out"], n["out"], 3, _dtypes.V_OUT)
         _checks.shape(o, n["out"], (T, H, D), "T, H, D")
         _checks.unit_last_stride(o, n["out"])
         named.append((n["out"], o))
     if t["out_lse"] is not None:
-        ol = _checks.tensor_view(t["out_lse"], n["out_lse"], 2, _dtypes.LSE)
+        ol = _checks.tensor(t["out_lse"], n["out_lse"], 2, _dtypes.LSE)
         _checks.shape(ol, n["out_lse"], (T, H), "T, H")
         named.append((n["out_lse"], ol))
     device = _checks.same_device(named)
@@ -178,7 +177,7 @@ def _validate_two(call: Call, prefix_rows: Any, names: dict[str, str] | None) ->
         cu, lens = _checks.offsets_pair(t["cu"], t["lens"], n["a_empty"], device, n_cu, n_lens)
     mask = None
     if t["mask"] is not None:
-        mask = _checks.tensor_view(t["mask"], n["mask"], 1, _dtypes.MASK_NAMES)
+        mask = _checks.tensor(t["mask"], n["mask"], 1, _dtypes.MASK_NAMES)
         _checks.shape(mask, n["mask"], (T,), "T")
         _checks.same_device([(n["v_a"], va), (n["mask"], mask)])
         _checks.contiguous_1d(mask, n["mask"])
@@ -500,9 +499,9 @@ def merge_states(
 
 def _validate_n(call: Call) -> dict[str, Any]:
     t = call.views(("v", "s", "out", "out_lse", "out_scale", "sinks"))
-    vt = _checks.tensor_view(t["v"], "v", 4, _dtypes.V_IN)
+    vt = _checks.tensor(t["v"], "v", 4, _dtypes.V_IN)
     N, T, H, D = vt.shape
-    st = _checks.tensor_view(t["s"], "s", 3, _dtypes.LSE)
+    st = _checks.tensor(t["s"], "s", 3, _dtypes.LSE)
     _checks.shape(st, "s", (N, T, H), "N, T, H")
     _checks.unit_last_stride(vt, "v")
     if T >= 2**31 or H >= 2**31 or N >= 2**31:
@@ -510,12 +509,12 @@ def _validate_n(call: Call) -> dict[str, Any]:
     named = [("v", vt), ("s", st)]
     o = ol = None
     if t["out"] is not None:
-        o = _checks.tensor_view(t["out"], "out", 3, _dtypes.V_OUT)
+        o = _checks.tensor(t["out"], "out", 3, _dtypes.V_OUT)
         _checks.shape(o, "out", (T, H, D), "T, H, D")
         _checks.unit_last_stride(o, "out")
         named.append(("out", o))
     if t["out_lse"] is not None:
-        ol = _checks.tensor_view(t["out_lse"], "out_lse", 2, _dtypes.LSE)
+        ol = _checks.tensor(t["out_lse"], "out_lse", 2, _dtypes.LSE)
         _checks.shape(ol, "out_lse", (T, H), "T, H")
         named.append(("out_lse", ol))
     device = _checks.same_device(named)
