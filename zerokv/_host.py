@@ -20,14 +20,8 @@ def merge_two(call: Any, validate: Callable[[], dict], prefix_rows: int | None) 
     v = validate()
     va, o, ol = v["va"], v["out"], v["out_lse"]
     T, H, D = v["T"], v["H"], v["D"]
-    verbatim, allocate_lse = call.scalars[2], call.scalars[3]
-    out, out_lse = call.objs[4], call.objs[5]
-    if o is None:
-        out = new(va, (T, H, D), va.dtype)
-        o = view(out, "out")
-    if ol is None and allocate_lse:
-        out_lse = new(v["sa"], (T, H), "float32")
-        ol = view(out_lse, "out_lse")
+    verbatim = call.scalars[2]
+    out, o, out_lse, ol = _outputs(call.objs[4], o, call.objs[5], ol, va, (T, H, D), call.scalars[3])
     a_empty_rows = None
     if v["cu"] is not None:
         a_empty_rows = reference.rows_with_empty_a(to_f64(v["cu"]), to_f64(v["lens"]), T)
@@ -48,20 +42,25 @@ def merge_states(call: Any, validate: Callable[[], dict]) -> tuple[Any, Any]:
     v = validate()
     vt, o, ol = v["v"], v["out"], v["out_lse"]
     _, T, H, D = vt.shape
-    out, out_lse = call.objs[2], call.objs[3]
-    allocate = call.scalars[1]
-    if o is None:
-        out = new(vt, (T, H, D), vt.dtype)
-        o = view(out, "out")
-    if ol is None and allocate:
-        out_lse = new(v["s"], (T, H), "float32")
-        ol = view(out_lse, "out_lse")
+    out, o, out_lse, ol = _outputs(call.objs[2], o, call.objs[3], ol, vt, (T, H, D), call.scalars[1])
     sinks = None if v["sinks"] is None else to_f64(v["sinks"])
     res, lse = reference.merge_states(to_f64(vt), to_f64(v["s"]), v["base"], sinks)
     write(o, scaled(res, v["scale"]))
     if ol is not None:
         write(ol, lse)
     return out, out_lse
+
+
+def _outputs(out, o, out_lse, ol, like, shape, allocate_lse):
+    """The merge's outputs and their records, allocating ``out`` (like the inputs) when None and
+    ``out_lse`` when None and ``allocate_lse``."""
+    if o is None:
+        out = new(like, shape, like.dtype)
+        o = view(out, "out")
+    if ol is None and allocate_lse:
+        out_lse = new(like, shape[:2], "float32")
+        ol = view(out_lse, "out_lse")
+    return out, o, out_lse, ol
 
 
 def empty_rows(v: dict, rule_offsets: bool) -> None:

@@ -12,7 +12,7 @@ the C parameter list in ``kernels_cu/``: names, types and order.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 
 from . import _dtypes
@@ -29,10 +29,8 @@ class Kernel:
     block: int  # threads per block, also the kernel's __launch_bounds__
     params: tuple[tuple[str, str], ...]  # (name, C type) in the kernel's order
     code: str | None = None  # source text for kernels outside kernels_cu/ (bench baselines)
-    index: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "index", {n: i for i, (n, _) in enumerate(self.params)})
         for n, c in self.params:
             if c not in CTYPES:
                 raise ValueError(f"{self.name}: parameter {n} has unknown C type {c!r}")
@@ -58,8 +56,9 @@ class Kernel:
 
     def pack(self, **values: float) -> bytes:
         """Pack by parameter name (slow, for tests and one-off launches); every name required."""
-        missing = set(self.index) - set(values)
-        extra = set(values) - set(self.index)
+        names = {n for n, _ in self.params}
+        missing = names - set(values)
+        extra = set(values) - names
         if missing or extra:
             raise TypeError(f"{self.name}: missing {sorted(missing)}, unknown {sorted(extra)}")
         return self.packer.pack(*(values[n] for n, _ in self.params))

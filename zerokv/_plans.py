@@ -57,10 +57,6 @@ def launcher(kernel: Any, targs: tuple, device: int) -> _runtime.Launcher:
     )
 
 
-def count() -> int:
-    return len(_plans)
-
-
 def clear_cache() -> None:
     """Forget every plan, then every loaded function (the disk cache stays)."""
     with _lock:

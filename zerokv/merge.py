@@ -235,7 +235,7 @@ class _MergeTwoPlan:
         self.sms = _runtime.sm_count(v["device"])
         self.device = v["device"]
         self.vec = vec
-        self.in_dtype, self.out_dtype = va.dtype, out_dtype
+        self.out_dtype = out_dtype
         self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
         self.verbatim = int(bool(call.scalars[2]))
         self.allocate_lse = call.scalars[3]
@@ -556,7 +556,7 @@ class _MergeNPlan:
         self.block = _kernels.MERGE_STATES.block
         self.sms = _runtime.sm_count(v["device"])
         self.vec = vec
-        self.in_dtype, self.out_dtype = vt.dtype, out_dtype
+        self.out_dtype = out_dtype
         self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
         self.allocate = call.scalars[1]
         self.itemsizes = [None if d is None else _dtypes.ITEMSIZE.get(d) for d in call.dtypes]
