@@ -93,32 +93,28 @@ template <> struct Word<4> { typedef unsigned type; };
 template <> struct Word<2> { typedef unsigned short type; };
 template <> struct Word<1> { typedef unsigned char type; };
 
-template <typename T, int VEC>
+// RO: through the read-only (non-coherent) cache path, for data no thread of the kernel writes
+// before this thread reads it (in-place merges write a pack only after its one read).
+template <typename T, int VEC, bool RO = false>
 __device__ __forceinline__ Pack<T, VEC> load_pack(const T* p) {
   constexpr int B = sizeof(Pack<T, VEC>);
   Pack<T, VEC> r;
   if constexpr (B % 16 == 0) {
 #pragma unroll
-    for (int i = 0; i < B / 16; ++i) reinterpret_cast<uint4*>(&r)[i] = reinterpret_cast<const uint4*>(p)[i];
+    for (int i = 0; i < B / 16; ++i) {
+      if constexpr (RO) {
+        reinterpret_cast<uint4*>(&r)[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
+      } else {
+        reinterpret_cast<uint4*>(&r)[i] = reinterpret_cast<const uint4*>(p)[i];
+      }
+    }
   } else {
     typedef typename Word<B>::type W;
-    *reinterpret_cast<W*>(&r) = *reinterpret_cast<const W*>(p);
-  }
-  return r;
-}
-
-// The same through the read-only (non-coherent) cache path: for data no thread of the kernel
-// writes before this thread reads it (in-place merges write a pack only after its one read).
-template <typename T, int VEC>
-__device__ __forceinline__ Pack<T, VEC> load_pack_ro(const T* p) {
-  constexpr int B = sizeof(Pack<T, VEC>);
-  Pack<T, VEC> r;
-  if constexpr (B % 16 == 0) {
-#pragma unroll
-    for (int i = 0; i < B / 16; ++i) reinterpret_cast<uint4*>(&r)[i] = __ldg(reinterpret_cast<const uint4*>(p) + i);
-  } else {
-    typedef typename Word<B>::type W;
-    *reinterpret_cast<W*>(&r) = __ldg(reinterpret_cast<const W*>(p));
+    if constexpr (RO) {
+      *reinterpret_cast<W*>(&r) = __ldg(reinterpret_cast<const W*>(p));
+    } else {
+      *reinterpret_cast<W*>(&r) = *reinterpret_cast<const W*>(p);
+    }
   }
   return r;
 }

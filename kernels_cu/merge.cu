@@ -64,18 +64,6 @@ __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, flo
 // then keeps the group in one warp); each V pack is read and written by one thread, so out may
 // alias v_a or v_b.
 
-// (x / n, x % n) with 32-bit division when the operands allow (the common case).
-__device__ __forceinline__ void split_index(i64 x, i64 n, i64 limit, i64& q, i64& r) {
-  if (limit <= 0xffffffffLL) {
-    const unsigned qq = (unsigned)x / (unsigned)n;
-    q = qq;
-    r = (unsigned)x - qq * (unsigned)n;
-  } else {
-    q = x / n;
-    r = x - q * n;
-  }
-}
-
 template <typename Tin, typename Tout, int VEC>
 __device__ __forceinline__ void store_merged(Tout* dst, const Pack<Tin, VEC>& a, const Pack<Tin, VEC>& b, float ca,
                                              float cb, float inv_scale) {
@@ -135,8 +123,8 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
     for (int u = 0; u < PPT; ++u) {
       const I p = col + (I)u * (I)lanes;
       if (p < packs) {
-        a[u] = load_pack_ro<Tin, VEC>(pa + p * VEC);
-        b[u] = load_pack_ro<Tin, VEC>(pb + p * VEC);
+        a[u] = load_pack<Tin, VEC, true>(pa + p * VEC);
+        b[u] = load_pack<Tin, VEC, true>(pb + p * VEC);
       }
     }
   }
@@ -173,8 +161,8 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
     if constexpr (PPT > 1) {  // rows wider than one round (rare: D > 512 in 16-bit): one pack at a time
 #pragma unroll 1
       for (I p = col + (I)PPT * (I)lanes; p < packs; p += (I)lanes) {
-        const Pack<Tin, VEC> x = load_pack_ro<Tin, VEC>(pa + p * VEC);
-        const Pack<Tin, VEC> y = load_pack_ro<Tin, VEC>(pb + p * VEC);
+        const Pack<Tin, VEC> x = load_pack<Tin, VEC, true>(pa + p * VEC);
+        const Pack<Tin, VEC> y = load_pack<Tin, VEC, true>(pb + p * VEC);
         store_merged<Tin, Tout, VEC>(po + p * VEC, x, y, c.ca, c.cb, inv_scale);
       }
     }
@@ -207,7 +195,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_ker
   if (row >= rows) return;  // no LSE is read and written by different lanes: no barrier needed
   const i64 packs = D / VEC;
   i64 t, h;
-  split_index(row, H, rows, t, h);
+  split_row(row, H, rows, t, h);
 
   // m = max of the non-empty LSEs, scale = 1 / sum of weights
   const float* ps = s + t * s_st + h * s_sh;
