@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from . import _host, _runtime
+from ._checks import extent
 from ._tensors import Tensor, torch_dtype_names, torch_tensor_type, view  # noqa: F401
 
 _BAD = (0, (), ())  # facts of an argument that is not a tensor
@@ -129,7 +130,7 @@ class Call:
         widest = 0
         for i, f in enumerate(facts):
             if f is not None:
-                spans[i] = s = _span(f, itemsizes[i])
+                spans[i] = s = extent(f[0], f[1], f[2], itemsizes[i] or 1)
                 widest = max(widest, s[1] - s[0])
         self.widest = widest  # bytes of the widest tensor: bounds any element offset it holds
         for o, may_alias in outs:
@@ -145,21 +146,3 @@ class Call:
                     continue
                 return False
         return True
-
-
-_EMPTY_SPAN = (0, 0)
-
-
-def _span(f: tuple, itemsize: int | None) -> tuple[int, int]:
-    """Bytes ``[lo, hi)`` a tensor may touch (an empty range for an empty tensor)."""
-    ptr, shape, strides = f
-    lo = hi = 0
-    for n, s in zip(shape, strides, strict=False):
-        if n == 0:
-            return _EMPTY_SPAN
-        if s > 0:
-            hi += (n - 1) * s
-        else:
-            lo += (n - 1) * s
-    size = itemsize or 1
-    return ptr + lo * size, ptr + (hi + 1) * size
