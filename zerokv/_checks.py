@@ -156,7 +156,7 @@ def out_scale(x: Any, out_dtype: str, device: int, arg: str = "out_scale") -> Te
 # element sizes of every dtype a Tensor record can carry (the ops' table plus what a caller
 # may hand in by mistake); an unknown name counts as 8 bytes, the widest, so that no overlap
 # is missed.
-_ITEMSIZE = {name: size for name, (_, size) in _dtypes.ALL.items()} | {"float64": 8}
+_ITEMSIZE = _dtypes.ITEMSIZE | {"float64": 8}
 
 
 def itemsize(dtype: str) -> int:
