@@ -17,24 +17,21 @@ struct RowCoef {
   float ca, cb, lse;
 };
 
-// Combine two LSEs; k = log2(base), inv_k = 1 / k.
+// Combine two LSEs; k = log2(base), inv_k = 1 / k. Branch-free (selects only): on the path of
+// every small merge, between the loads and the stores.
 __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float inv_k) {
-  RowCoef c{0.f, 0.f, neg_inf()};
-  if (isnan(la) || isnan(lb)) {  // a bug upstream: make it visible (NaN * V_a is NaN whatever V_a)
-    c.ca = quiet_nan();
-    c.lse = quiet_nan();
-    return c;
-  }
+  const bool nan = isnan(la) || isnan(lb);  // a bug upstream: make it visible (NaN * V_a is NaN)
   const bool ea = is_empty_lse(la), eb = is_empty_lse(lb);
-  if (ea && eb) return c;
-  const float m = ea ? lb : (eb ? la : fmaxf(la, lb));
-  const float wa = ea ? 0.f : fast_exp2((la - m) * k);
-  const float wb = eb ? 0.f : fast_exp2((lb - m) * k);
-  const float sum = wa + wb;  // in [1, 2]: the larger weight is exactly 1
-  const float inv = 1.f / sum;
-  c.ca = wa * inv;
-  c.cb = wb * inv;
-  c.lse = m + fast_log2(sum) * inv_k;
+  const float xa = ea ? neg_inf() : la, xb = eb ? neg_inf() : lb;
+  const float m0 = fmaxf(xa, xb);
+  const float m = m0 == neg_inf() ? 0.f : m0;  // both empty: keep the exponents finite
+  const float wa = fast_exp2((xa - m) * k), wb = fast_exp2((xb - m) * k);  // exp2(-inf) = 0
+  const float sum = wa + wb;  // in [1, 2] (the larger weight is exactly 1), or 0: both empty
+  const float inv = __fdividef(1.f, sum);  // approximate reciprocal: 2 ulp in [1, 2]
+  RowCoef c;
+  c.ca = nan ? quiet_nan() : (ea ? 0.f : wa * inv);
+  c.cb = nan || eb ? 0.f : wb * inv;
+  c.lse = nan ? quiet_nan() : (sum > 0.f ? m + fast_log2(sum) * inv_k : neg_inf());
   return c;
 }
 
@@ -77,8 +74,9 @@ __device__ __forceinline__ void store_merged(Tout* dst, const Pack<Tin, VEC>& a,
   store_pack<Tout, VEC>(dst, convert_pack<Tout, VEC>(acc, inv_scale));
 }
 
-// FULL = 0: the engine's common call (no a_empty, row mask, sinks or fp8 scale), compiled
-// without that code so it fits the register budget of full occupancy.
+// FULL = 0: a call without a_empty, row mask, sinks or fp8 scale that merge_state_flat_kernel
+// does not take (LSE written in place, offsets past 2^31), compiled without that code so it fits
+// the register budget of full occupancy.
 template <int PPT, int FULL> struct MinBlocks { static constexpr int value = PPT == 1 ? (FULL ? 12 : 16) : 8; };
 
 // I: the index type, int when every offset the kernel forms fits in 32 bits (the host picks
@@ -169,6 +167,42 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
   }
   __syncwarp();  // every lane of the group has read s_a / s_b before the LSE is written
   if (write && col == 0 && olse != nullptr) olse[t * (I)ol_st + h * (I)ol_sh] = c.lse;
+}
+
+// The engine's common call (no a_empty, row mask, sinks or fp8 scale; out_lse not written in
+// place; every offset below 2^31 elements) in the smallest form: one thread per pack of V
+// (thread i: row i / packs, pack i % packs), 32-bit parameters and index math, the two LSE
+// loads and the two V loads issued before any arithmetic. Small merges are launch- and
+// latency-bound: every instruction and parameter byte before the loads shows in their time
+// (bench/NOTES.md). The thread of pack 0 writes the row's LSE.
+template <typename Tin, typename Tout, int VEC>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_flat_kernel(
+    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
+    int rows, int H, int packs,
+    int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
+    int out_st, int out_sh, int ol_st, int ol_sh,
+    int prefix_rows,      // rows t >= prefix_rows take state b alone
+    int suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
+    float k, float inv_k) {
+  const unsigned i = blockIdx.x * (unsigned)ZK_BLOCK_merge_state_flat_kernel + threadIdx.x;
+  const unsigned row = i / (unsigned)packs;
+  if (row >= (unsigned)rows) return;
+  const int p = (int)(i - row * (unsigned)packs);
+  const int t = (int)(row / (unsigned)H), h = (int)row - t * H;
+  const float la = __ldg(sa + (t * sa_st + h * sa_sh));
+  const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
+  const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + p * VEC));
+  const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + p * VEC));
+  RowCoef c;
+  if (t >= prefix_rows && suffix_verbatim) {
+    c.ca = 0.f;
+    c.cb = 1.f;
+    c.lse = lb;
+  } else {
+    c = combine2(t < prefix_rows ? la : neg_inf(), lb, k, inv_k);
+  }
+  store_merged<Tin, Tout, VEC>(out + (t * out_st + h * out_sh + p * VEC), a, b, c.ca, c.cb, 1.f);
+  if (p == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = c.lse;
 }
 
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both

@@ -18,14 +18,14 @@ from zerokv import _call, _kernels, _plans, _runtime, empty_rows, merge
 
 
 class _Recorder:
-    """Stands for a Launcher: records (instantiation, grid, packed arguments)."""
+    """Stands for a Launcher: records (kernel, instantiation, grid, packed arguments)."""
 
     def __init__(self, kernel, targs, device):
         self.kernel, self.targs = kernel, targs
         self.calls: list[tuple] = []
 
     def __call__(self, grid, stream, *args):
-        self.calls.append((self.targs, grid, self.kernel.packer.pack(*args)))
+        self.calls.append((self.kernel.name, self.targs, grid, self.kernel.packer.pack(*args)))
 
 
 @pytest.fixture
@@ -105,11 +105,14 @@ def _fresh(objs):
 
 
 @pytest.mark.parametrize("shape, dtype, lse_ht, pad_h", LAYOUTS[::3])
-def test_merge_states_fast_path_packs_what_the_validating_path_packs(recorded, shape, dtype, lse_ht, pad_h):
+@pytest.mark.parametrize("N", [2, 3])  # 2: merge_state's flat kernel
+def test_merge_states_fast_path_packs_what_the_validating_path_packs(
+    recorded, shape, dtype, lse_ht, pad_h, N
+):
     T, H, D = shape
     g = torch.Generator().manual_seed(5)
-    v = torch.randn(T, 3, H + pad_h, D, generator=g).to(dtype)[:, :, :H].permute(1, 0, 2, 3)
-    s = torch.randn(T, 3, H, generator=g).permute(1, 0, 2)
+    v = torch.randn(T, N, H + pad_h, D, generator=g).to(dtype)[:, :, :H].permute(1, 0, 2, 3)
+    s = torch.randn(T, N, H, generator=g).permute(1, 0, 2)
     out, out_lse = torch.empty(T, H, D, dtype=dtype), torch.empty(H, T).T if lse_ht else torch.empty(T, H)
     objs = (v, s, out, out_lse, None, None)
 
@@ -122,6 +125,7 @@ def test_merge_states_fast_path_packs_what_the_validating_path_packs(recorded, s
     first.key(merge._aligned_n(first))
     plan = merge._MergeNPlan(first)
     _both(recorded, lambda: plan.torch_call(v, s, out, out_lse), validating)
+    assert recorded[-1][0] == ("merge_state_flat_kernel" if N == 2 else "merge_states_kernel")
 
 
 @pytest.mark.parametrize("rule", [_kernels.RULE_KV_LENS_ZERO, _kernels.RULE_CONTEXT_SPAN_EMPTY])
@@ -145,3 +149,34 @@ def test_empty_rows_fast_path_packs_what_the_validating_path_packs(recorded, rul
 
     plan = empty_rows._EmptyRowsPlan(call_of(), rule, names)
     _both(recorded, lambda: plan.torch_call(*objs), lambda: plan(call_of(), rule, names))
+
+
+def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded):
+    """The flat kernel (32-bit parameters) for the common call; the row-group kernel for an LSE
+    written in place, or a stride past 32 bits on a size-1 dimension, on both paths."""
+    T, H, D = 64, 8, 128
+    v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
+    flat = ("zk_bfloat16", "zk_bfloat16", 8)
+    for out, out_lse, targs in [  # the flat kernel's template arguments have three entries
+        (torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H), flat),
+        (v_a, torch.empty(T, H), flat),  # V in place: one thread reads and writes each pack
+        (torch.empty(T, H, D, dtype=torch.bfloat16), s_a, (*flat, 1, 0, "int")),  # LSE in place
+    ]:
+        objs = (v_a, s_a, v_b, s_b, out, out_lse)
+        plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+        _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+        assert recorded[-1][1] == targs
+    # T = 1: the token stride is never used and may be anything, here past 32 bits
+    base = torch.randn(H * D, dtype=torch.bfloat16)
+    v1 = [base.as_strided((1, H, D), (2**40, D, 1)), torch.randn(1, H, D, dtype=torch.bfloat16)]
+    objs = (
+        v1[0],
+        torch.randn(1, H),
+        v1[1],
+        torch.randn(1, H),
+        torch.empty(1, H, D, dtype=torch.bfloat16),
+        None,
+    )
+    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+    _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    assert recorded[-1][:2] == ("merge_state_kernel", (*flat, 1, 0, "int"))

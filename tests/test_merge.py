@@ -318,7 +318,7 @@ def test_fp8_output_with_scale():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("layout", ["NTHD", "TNHD"])
-@pytest.mark.parametrize("N", [1, 3, 8])
+@pytest.mark.parametrize("N", [1, 2, 3, 8])
 def test_merge_states_kernel(dtype, layout, N):
     T, H, D = 513, 16, 72
     states = [make_states(T, H, D, dtype, "cuda", seed=N * 10 + i) for i in range(N)]

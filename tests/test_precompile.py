@@ -34,8 +34,10 @@ def _where(kernel, keep) -> list[str]:
 
 def test_bf16_merge_state_builds_bf16_in_and_out_only(fake_device):
     n = zerokv.precompile(dtypes=("bfloat16",), ops=("merge_state",), device=3)
-    expected = _where(_kernels.MERGE_STATE, lambda t: t[:2] == ("zk_bfloat16", "zk_bfloat16"))
-    assert fake_device == [("merge_state_kernel", e, 3) for e in expected]
+    bf16 = lambda t: t[:2] == ("zk_bfloat16", "zk_bfloat16")  # noqa: E731
+    expected = [("merge_state_kernel", e, 3) for e in _where(_kernels.MERGE_STATE, bf16)]
+    expected += [("merge_state_flat_kernel", e, 3) for e in _where(_kernels.MERGE_STATE_FLAT, bf16)]
+    assert fake_device == expected
     assert n == len(expected) >= 2  # a vector and a scalar path at least
     assert {t[2] for t in _kernels.MERGE_STATE.instances if t[:2] == ("zk_bfloat16", "zk_bfloat16")} == {1, 8}
 

@@ -105,6 +105,22 @@ MERGE_STATE = Kernel(
     ),
 )
 
+# The common call in its smallest form: one thread per pack, 32-bit parameters (kernels_cu/merge.cu).
+MERGE_STATE_FLAT = Kernel(
+    stem="merge",
+    name="merge_state_flat_kernel",
+    instances=tuple(
+        (ci, co, v) for ci, i in _V for co in _O if co != _dtypes.ctype("float8_e4m3fn") for v in (1, _vec(i))
+    ),
+    block=128,
+    params=_params(
+        "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, i32 H, i32 packs,"
+        " i32 sa_st, i32 sa_sh, i32 sb_st, i32 sb_sh, i32 va_st, i32 va_sh, i32 vb_st, i32 vb_sh,"
+        " i32 out_st, i32 out_sh, i32 ol_st, i32 ol_sh, i32 prefix_rows, i32 suffix_verbatim,"
+        " f32 k, f32 inv_k"
+    ),
+)
+
 MERGE_STATES = Kernel(
     stem="merge",
     name="merge_states_kernel",
@@ -182,6 +198,7 @@ CP_FINALIZE = Kernel(
 
 KERNELS: tuple[Kernel, ...] = (
     MERGE_STATE,
+    MERGE_STATE_FLAT,
     MERGE_STATES,
     EMPTY_ROWS,
     CP_PACK_LSE,

@@ -7,6 +7,7 @@ calls of one signature, launch. CPU tensors run the float64 reference (``zerokv.
 
 from __future__ import annotations
 
+import struct
 import sys
 from typing import Any
 
@@ -249,6 +250,27 @@ class _MergeTwoPlan:
         self.elem_bytes = 2 * self.in_size + self.out_size
         l2 = _runtime.l2_bytes(self.device)
         self.mid_lo, self.mid_hi = l2 // 10, 6 * l2 // 10
+        self.flat = None  # merge_state_flat_kernel's launcher, loaded by its first call
+
+    def flat_launcher(self) -> Any:
+        if self.flat is None:
+            self.flat = _plans.launcher(_kernels.MERGE_STATE_FLAT, self.targs, self.device)
+        return self.flat
+
+    def launch_flat(self, stream, T, H, D, prefix, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl):
+        """The common call through merge_state_flat_kernel (the caller checked that it applies:
+        no FULL code, out_lse not in place, D > 0, every offset below 2^31). False when a
+        stride does not fit its 32-bit parameter (a size-1 dimension may carry any stride)."""
+        packs = D // self.vec
+        try:
+            (self.flat or self.flat_launcher())(
+                -(-T * H * packs // _FLAT_BLOCK), stream, pa, pb, psa, psb, po, pl, T * H, H, packs,
+                ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1], stb[0], stb[1], sto[0], sto[1],
+                stl[0], stl[1], prefix, self.verbatim, self.k, self.inv_k,
+            )  # fmt: skip
+        except struct.error:
+            return False
+        return True
 
     def geometry(self, D: int, rows: int, inplace_lse: bool) -> tuple[int, Any, Any]:
         """``(lanes, launcher with int indices, launcher with 64-bit indices)`` for rows of
@@ -351,16 +373,27 @@ class _MergeTwoPlan:
                 pl, stl, end_l = 0, (0, 0), 0
         except (AttributeError, TypeError, ValueError):  # not torch tensors, or not 3-D / 2-D
             return None
-        lanes, narrow, wide = self.geometry(D, T * H, pl in (psa, psb))
         # 32-bit index math when every span (bytes bound elements) and thread index fits
         span = max(end_a - pa, end_b - pb, end_sa - psa, end_sb - psb, end_o - po, T * H * max(D, 1) * 4)
-        fits = span < _INT32 and T * H * lanes < _INT32 and (out_lse is None or end_l - pl < _INT32)
-        (narrow if fits else wide)(
+        fits = span < _INT32 and (out_lse is None or end_l - pl < _INT32)
+        inplace = pl in (psa, psb)
+        prefix = T if prefix_rows is None else prefix_rows
+        if (
+            fits
+            and not self.full
+            and not inplace
+            and D
+            and self.launch_flat(
+                _torch_stream(dev), T, H, D, prefix, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl
+            )
+        ):
+            return out, out_lse
+        lanes, narrow, wide = self.geometry(D, T * H, inplace)
+        (narrow if fits and T * H * lanes < _INT32 else wide)(
             -(-T * H * lanes // self.block), _torch_stream(dev),
             pa, sta[0], sta[1], pb, stb[0], stb[1], po, sto[0], sto[1],
             psa, ssa[0], ssa[1], psb, ssb[0], ssb[1], pl, stl[0], stl[1],
-            T, H, D, lanes, T if prefix_rows is None else prefix_rows,
-            self.verbatim, 0, 0, 0, 0, 0, 0, self.k, self.inv_k, 0,
+            T, H, D, lanes, prefix, self.verbatim, 0, 0, 0, 0, 0, 0, self.k, self.inv_k, 0,
         )  # fmt: skip
         return out, out_lse
 
@@ -389,15 +422,20 @@ class _MergeTwoPlan:
             ol = read(out_lse)
         if T * H == 0:
             return out, out_lse
-        lanes, narrow, wide = self.geometry(D, T * H, ol is not None and ol[0] in (sa[0], sb[0]))
+        inplace = ol is not None and ol[0] in (sa[0], sb[0])
         # 32-bit index math when every span (bytes bound elements) and thread index fits; the
         # outputs allocated above are contiguous, no wider than T * H * D * 4 bytes
         widest = _INT32 if call.widest is None else max(call.widest, T * H * max(D, 1) * 4)
-        fits = T * H * lanes < _INT32 and widest < _INT32
-        launch = narrow if fits else wide
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
+        if widest < _INT32 and not self.full and not inplace and D and self.launch_flat(
+            call.stream(), T, H, D, prefix, va[0], va_s, vb[0], vb_s, sa[0], sa_s, sb[0], sb_s,
+            o[0], o_s, ol_ptr, (ol_st, ol_sh),
+        ):  # fmt: skip
+            return out, out_lse
+        lanes, narrow, wide = self.geometry(D, T * H, inplace)
+        launch = narrow if T * H * lanes < _INT32 and widest < _INT32 else wide
         launch(
             -(-T * H * lanes // self.block), call.stream(),
             va[0], va_s[0], va_s[1], vb[0], vb_s[0], vb_s[1], o[0], o_s[0], o_s[1],
@@ -447,6 +485,7 @@ def _fast_checks_two(f: list, prefix_rows: Any) -> bool:
 
 
 _INT32 = 1 << 31
+_FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 
 
 def _numel(shape: tuple) -> int:
@@ -565,6 +604,28 @@ class _MergeNPlan:
         if call.is_torch:
             torch = sys.modules["torch"]
             self.t_in, self.t_out, self.t_f32 = (getattr(torch, d) for d in (vt.dtype, out_dtype, "float32"))
+        # N = 2 without sinks or fp8 scale is merge_state's common call: its flat kernel moves the
+        # data faster than the N-way kernel's loop over inputs (bench/NOTES.md)
+        self.two = None if call.objs[4] is not None or call.objs[5] is not None else targs
+        self.flat = None
+        self.k_two = _BASES[_checks.lse_base(call.scalars[0])]
+
+    def launch_two(self, stream, T, H, D, pv, stv, ps, sts, po, sto, pl, stl) -> bool:
+        """A two-state merge through merge_state_flat_kernel (the caller checked every offset
+        fits 32 bits and D > 0): state n at v + n * stv[0], s + n * sts[0]. False when a stride
+        does not fit its 32-bit parameter."""
+        if self.flat is None:
+            self.flat = _plans.launcher(_kernels.MERGE_STATE_FLAT, self.two, self.device)
+        packs = D // self.vec
+        try:
+            self.flat(
+                -(-T * H * packs // _FLAT_BLOCK), stream, pv, pv + stv[0] * self.in_size, ps, ps + sts[0] * 4,
+                po, pl, T * H, H, packs, sts[1], sts[2], sts[1], sts[2], stv[1], stv[2], stv[1], stv[2],
+                sto[0], sto[1], stl[0], stl[1], T, 0, *self.k_two,
+            )  # fmt: skip
+        except struct.error:
+            return False
+        return True
 
     def torch_call(self, v: Any, s: Any, out: Any, out_lse: Any) -> bool:
         """The engine call in straight-line code (see ``_MergeTwoPlan.torch_call``); False sends
@@ -611,6 +672,15 @@ class _MergeNPlan:
                 pl, stl = 0, (0, 0)
         except (AttributeError, TypeError, ValueError):
             return False
+        if (
+            N == 2
+            and self.two is not None
+            and D
+            and max(end_v - pv, end_s - ps, end_o - po, T * H * D * 4) < _INT32
+            and (out_lse is None or end_l - pl < _INT32)
+            and self.launch_two(_torch_stream(dev), T, H, D, pv, stv, ps, sts, po, sto, pl, stl)
+        ):
+            return True
         lanes = _lanes_n(D // vec, T * H, self.sms)
         self.launch(
             -(-T * H * lanes // self.block), _torch_stream(dev),
@@ -636,9 +706,19 @@ class _MergeNPlan:
             ol = read(out_lse)
         if T * H == 0:
             return out, out_lse
-        lanes = _lanes_n(D // self.vec, T * H, self.sms)
         vs, ss, os_ = v[2], s[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
+        # outputs allocated above are contiguous, no wider than T * H * D * 4 bytes
+        widest = _INT32 if call.widest is None else max(call.widest, T * H * max(D, 1) * 4)
+        if (
+            N == 2
+            and self.two is not None
+            and D
+            and widest < _INT32
+            and self.launch_two(call.stream(), T, H, D, v[0], vs, s[0], ss, o[0], os_, ol_ptr, (ol_st, ol_sh))
+        ):
+            return out, out_lse
+        lanes = _lanes_n(D // self.vec, T * H, self.sms)
         self.launch(
             -(-T * H * lanes // self.block), call.stream(),
             v[0], vs[0], vs[1], vs[2], s[0], ss[0], ss[1], ss[2], o[0], os_[0], os_[1],

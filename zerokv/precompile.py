@@ -17,7 +17,7 @@ from . import _cache, _dtypes, _kernels, _runtime
 # public op -> which kernel instantiations it launches (the compat adapters use the same ones);
 # the empty-row kernel's third template argument is its emptiness rule
 OPS: dict[str, Callable[[_kernels.Kernel, tuple], bool]] = {
-    "merge_state": lambda k, t: k.name == "merge_state_kernel",
+    "merge_state": lambda k, t: k.name in ("merge_state_kernel", "merge_state_flat_kernel"),
     "merge_states": lambda k, t: k.name == "merge_states_kernel",
     "fixup_zero_kv_rows": lambda k, t: k.name == "empty_rows_kernel" and t[2] == _kernels.RULE_KV_LENS_ZERO,
     "mask_empty_context": lambda k, t: (
