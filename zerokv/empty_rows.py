@@ -14,7 +14,7 @@ from . import _checks, _dtypes, _host, _kernels, _plans, _runtime
 from ._call import Call
 from ._tensors import torch_tensor_type
 
-_BLOCKS_PER_SM = 4  # a persistent grid of full occupancy (the kernel is bounded to 64 registers)
+_BLOCKS_PER_SM = 1  # one block per SM: fastest at 0, 4096 and 32768 empty rows of 2, 4 and 8 (bench/NOTES.md)
 
 
 def fixup_zero_kv_rows(
