@@ -16,9 +16,9 @@
 // Each block scans the offsets STEP requests at a time: every thread tests PER_THREAD requests
 // (all those loads in flight: one round trip to memory per step) and the block shares the result
 // as bit masks in shared memory. Each warp then fetches the query spans of the empty requests
-// only (GROUP mask words at once) and serves them in request order. A batch without empty
-// requests costs one round trip per STEP requests.
-constexpr int PER_THREAD = 4;
+// only (GROUP mask words at once) and serves them in request order. A step without empty
+// requests costs one round trip and one barrier.
+constexpr int PER_THREAD = 4;  // the kernel's block-wide test names empty[0..3]
 constexpr int STEP = ZK_BLOCK_empty_rows_kernel * PER_THREAD;
 constexpr int WORDS = STEP / 32;
 constexpr int GROUP = 8;
@@ -53,6 +53,9 @@ __global__ void __launch_bounds__(ZK_BLOCK_empty_rows_kernel, 4) empty_rows_kern
         empty[j] = RULE == 0 ? l0 == 0 : load_index(lens, (int)lens_is64, r + 1) <= l0;
       }
     }
+    // One barrier decides for the whole block whether this step has any empty request: a
+    // batch without one costs a round trip and a barrier per step, nothing more.
+    if (!__syncthreads_or(empty[0] || empty[1] || empty[2] || empty[3])) continue;
 #pragma unroll
     for (int j = 0; j < PER_THREAD; ++j) {  // word j * WARPS + warp: requests first + 32 * word + bit
       const unsigned m = __ballot_sync(0xffffffffu, empty[j]);

@@ -659,7 +659,7 @@ def _graph(ctx):
     zerokv.cp_merge(v, s, ctx.group, out=out, out_lse=out_lse)  # warm-up: compile, NCCL set-up
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local"):
         zerokv.cp_merge(v, s, ctx.group, out=out, out_lse=out_lse)
     for seed in (43, 47):
         V, S = states(seed, N, T, H, D, torch.bfloat16, dev)

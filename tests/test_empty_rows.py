@@ -209,7 +209,7 @@ def test_cuda_graph_capture_and_replay(op):
     out, lse = garbage_state(int(cu[-1]), 8, 64, torch.float16, rows, "cuda", 1, lse_ht=False)
     op(out, lse, cu, lens)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):  # a stream of the current device
         op(out, lse, cu, lens)
     fresh = garbage_state(int(cu[-1]), 8, 64, torch.float16, rows, "cuda", 2, lse_ht=False)
     out.copy_(fresh[0])

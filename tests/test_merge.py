@@ -365,7 +365,9 @@ def test_cuda_graph_capture_and_replay():
     lse = torch.full_like(s_a, NAN)
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)  # compile and load first
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.device(dev), torch.cuda.graph(graph):
+    # a capture stream of the tensors' device (torch's default one is bound to the device of its
+    # first use in the process, which another test may have made cuda:1)
+    with torch.cuda.device(dev), torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
         zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
     fresh = make_states(T, H, D, torch.bfloat16, dev, seed=29)
     for dst, src in zip((v_a, s_a, v_b, s_b), fresh, strict=True):

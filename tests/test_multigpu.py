@@ -171,7 +171,9 @@ def test_cuda_graph_captured_on_the_second_gpu_replays():
     out, lse = torch.full_like(v_a, NAN), torch.full_like(s_a, NAN)
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.device(dev), torch.cuda.graph(graph):
+    # an explicit capture stream: torch.cuda.graph's default one is made once per process, on
+    # the device current at its first use, and would capture later graphs of cuda:0 on cuda:1
+    with torch.cuda.device(dev), torch.cuda.graph(graph, stream=torch.cuda.Stream(dev)):
         zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
     fresh = make_states(512, 8, 128, torch.bfloat16, dev, seed=8)
     for dst, src in zip((v_a, s_a, v_b, s_b), fresh, strict=True):

@@ -167,7 +167,7 @@ def test_precompile_then_cuda_graph_capture_compiles_nothing(monkeypatch):
         calls()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream()):  # a stream of the current device
         calls()
     torch.cuda.synchronize()
     assert (_runtime._modules_built, _runtime.loaded_count()) == (built, loaded)
