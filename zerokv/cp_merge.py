@@ -315,9 +315,10 @@ def _device_combine(torch, pg, N, rank, scatter, a: _Args, v, s, out, out_lse, n
             else (buf if N == 1 else torch.empty((T * Hn * D,), dtype=wire_t, device=v.device))
         )
 
-    # Large combines run in chunks of tokens: each chunk's collective is issued asynchronously,
-    # so the kernels of the next (and the conversion of the previous) chunk run beside it.
-    chunks = _chunks(T, H * D * _dtypes.itemsize(a.wire), N)
+    # Large combines that need the conversion run in chunks of tokens: each chunk's collective
+    # is issued asynchronously, so the kernels of the next (and the conversion of the previous)
+    # chunk run beside it. Where the collective writes the output, one piece is faster.
+    chunks = [(0, T)] if direct else _chunks(T, H * D * _dtypes.itemsize(a.wire), N)
     overlap = len(chunks) > 1
     cap = _runtime.sm_count(dev) * _OVERLAP_THREADS_PER_SM if overlap else 0
     waiting: list = []  # (work, t0, t1) of collectives issued, oldest first
@@ -346,13 +347,17 @@ def _device_combine(torch, pg, N, rank, scatter, a: _Args, v, s, out, out_lse, n
             _finalize(a, r, o, a0, a1, cap, stream)
 
 
-# Pipelining: a combine whose wire holds at least _OVERLAP_MIN_BYTES per rank runs in up to
-# _OVERLAP_MAX_CHUNKS chunks of about _OVERLAP_CHUNK_BYTES; its kernels then take at most
-# _OVERLAP_THREADS_PER_SM threads per SM, so that the collective's blocks find room beside them.
-_OVERLAP_MIN_BYTES = 32 << 20
-_OVERLAP_CHUNK_BYTES = 32 << 20
+# Pipelining: a combine whose wire holds at least _OVERLAP_MIN_BYTES per rank and needs the
+# conversion runs in up to _OVERLAP_MAX_CHUNKS chunks of about _OVERLAP_CHUNK_BYTES; its kernels
+# then take at most _OVERLAP_THREADS_PER_SM threads per SM, so that the collective's blocks find
+# room beside them. Measured on two H200s (bench/NOTES.md): with a float32 wire, 128 MB chunks
+# take 7-11 % off one piece at 268 MB and 2 GB; smaller chunks cost more than they hide (each
+# collective of a chunk runs slower than one of the whole), and with a bf16 wire summed straight
+# into the output one piece is the fastest.
+_OVERLAP_MIN_BYTES = 256 << 20
+_OVERLAP_CHUNK_BYTES = 128 << 20
 _OVERLAP_MAX_CHUNKS = 16
-_OVERLAP_THREADS_PER_SM = 512
+_OVERLAP_THREADS_PER_SM = 1024
 
 
 def _chunks(T: int, wire_bytes_per_token: int, N: int) -> list[tuple[int, int]]:
