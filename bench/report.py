@@ -75,7 +75,12 @@ def environment(b: Any, args: dict[str, Any]) -> dict[str, Any]:
     env["git_commit"] = _try(
         lambda: (
             subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+                # "-dirty": the measured tree is not the commit named
+                ["git", "describe", "--always", "--dirty", "--abbrev=7"],
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=10,
             ).stdout.strip()
             or None
         )

@@ -38,7 +38,7 @@ def merge_states(
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
         w = np.where(usable, np.power(base, np.where(usable, s, 0.0) - m_safe), 0.0)
         total = w.sum(axis=0)
-        # An input with weight 0 is never read: its V may be NaN/Inf garbage.
+        # An input with weight 0 is never used: its V may be NaN/Inf garbage.
         contrib = np.where(w[..., None] > 0, w[..., None] * np.where(w[..., None] > 0, v, 0.0), 0.0)
         out = contrib.sum(axis=0) / np.where(live, total, 1.0)[..., None]
         lse = np.where(live, m_safe + np.log(np.where(live, total, 1.0)) / np.log(base), -np.inf)
