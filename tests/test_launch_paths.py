@@ -128,6 +128,33 @@ def test_merge_states_fast_path_packs_what_the_validating_path_packs(
     assert recorded[-1][0] == ("merge_state_flat_kernel" if N == 2 else "merge_states_kernel")
 
 
+@pytest.mark.parametrize("given_lse", [False, True])
+def test_merge_states_fast_path_allocates_what_the_validating_path_allocates(recorded, given_lse):
+    """Outputs allocated by the op: both paths launch the same arguments but the output
+    pointers (each allocates its own), and return outputs of the same shapes and dtypes."""
+    T, H, D = 37, 4, 64
+    g = torch.Generator().manual_seed(9)
+    v = torch.randn(3, T, H, D, generator=g).to(torch.bfloat16)
+    s = torch.randn(3, T, H, generator=g)
+    lse = torch.empty(T, H) if given_lse else None
+    objs = (v, s, None, lse, None, None)
+
+    def call_of():
+        c = _call.Call("merge_states", objs, ("e", True))
+        c.key(merge._aligned_n(c))
+        return c
+
+    plan = merge._MergeNPlan(call_of())
+    recorded.clear()
+    fast = plan.torch_call(v, s, None, lse)
+    slow = plan(call_of())
+    assert len(recorded) == 2 and recorded[0][:3] == recorded[1][:3]
+    for got in (fast, slow):
+        assert got[0].shape == (T, H, D) and got[0].dtype == torch.bfloat16 and got[0].is_contiguous()
+        assert got[1].shape == (T, H) and got[1].dtype == torch.float32
+        assert (got[1] is lse) == given_lse
+
+
 @pytest.mark.parametrize("rule", [_kernels.RULE_KV_LENS_ZERO, _kernels.RULE_CONTEXT_SPAN_EMPTY])
 @pytest.mark.parametrize("index", [torch.int32, torch.int64])
 @pytest.mark.parametrize("shape, pad_h", [((40, 4, 64), 0), ((40, 4, 64), 2), ((9, 3, 7), 0)])

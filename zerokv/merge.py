@@ -521,12 +521,22 @@ def merge_states(
     ``(0, -inf)``; NaN propagates. One launch, no host sync.
     """
     fast_key = None
-    if out_scale is None and sinks is None and type(v) is torch_tensor_type() and type(out) is type(v):
-        # the engine call (torch tensors, outputs given): a short signature, its plan checks the rest
-        fast_key = ("merge_states:torch", lse_base, out_lse is None, v.dtype, out.dtype, v.get_device())
+    if (
+        out_scale is None
+        and sinks is None
+        and type(v) is torch_tensor_type()
+        and (out is None or type(out) is type(v))
+    ):
+        # the engine call (torch tensors): a short signature, its plan checks the rest
+        fast_key = (
+            "merge_states:torch", lse_base, out is None, out_lse is None, v.dtype,
+            None if out is None else out.dtype, v.get_device(),
+        )  # fmt: skip
         plan = _plans.find(fast_key)
-        if plan is not None and plan.torch_call(v, s, out, out_lse):
-            return out, out_lse
+        if plan is not None:
+            done = plan.torch_call(v, s, out, out_lse)
+            if done is not None:
+                return done
     call = Call("merge_states", (v, s, out, out_lse, out_scale, sinks), (lse_base, out is None))
     if call.device < 0:
         return _host.merge_states(call, lambda: _validate_n(call))
@@ -604,6 +614,7 @@ class _MergeNPlan:
         if call.is_torch:
             torch = sys.modules["torch"]
             self.t_in, self.t_out, self.t_f32 = (getattr(torch, d) for d in (vt.dtype, out_dtype, "float32"))
+            self.empty = torch.empty
         # N = 2 without sinks or fp8 scale is merge_state's common call: its flat kernel moves the
         # data faster than the N-way kernel's loop over inputs (bench/NOTES.md)
         self.two = None if call.objs[4] is not None or call.objs[5] is not None else targs
@@ -627,35 +638,38 @@ class _MergeNPlan:
             return False
         return True
 
-    def torch_call(self, v: Any, s: Any, out: Any, out_lse: Any) -> bool:
-        """The engine call in straight-line code (see ``_MergeTwoPlan.torch_call``); False sends
+    def torch_call(self, v: Any, s: Any, out: Any, out_lse: Any) -> tuple[Any, Any] | None:
+        """The engine call in straight-line code (see ``_MergeTwoPlan.torch_call``); None sends
         the call to the validating path. The outputs may not overlap the inputs at all."""
         try:
             dev, f32 = self.device, self.t_f32
-            if (
-                v.dtype is not self.t_in or s.dtype is not f32 or s.get_device() != dev
-                or out.get_device() != dev or out.requires_grad or out.is_inference()
-            ):  # fmt: skip
-                return False
+            if v.dtype is not self.t_in or s.dtype is not f32 or s.get_device() != dev:
+                return None
             N, T, H, D = v.shape
-            if s.shape != (N, T, H) or out.shape != (T, H, D) or N == 0 or T == 0 or H == 0 or T >= 2**31:
-                return False
+            if s.shape != (N, T, H) or N == 0 or T == 0 or H == 0 or T >= 2**31:
+                return None
+            if out is None:  # allocated: contiguous, aligned, apart from the inputs
+                out = self.empty((T, H, D), dtype=self.t_out, device=v.device)
+                if out_lse is None and self.allocate:
+                    out_lse = self.empty((T, H), dtype=f32, device=v.device)
+            elif out.get_device() != dev or out.requires_grad or out.is_inference() or out.shape != (T, H, D):
+                return None
             stv, sts, sto = v.stride(), s.stride(), out.stride()
             pv, ps, po = v.data_ptr(), s.data_ptr(), out.data_ptr()
             if (D > 1 and (stv[3] != 1 or sto[2] != 1)) or (T > 1 and sto[0] == 0) or (H > 1 and sto[1] == 0):
-                return False
+                return None
             vec = self.vec
             if vec > 1 and (
                 (pv & 15)
                 or po & (vec * self.out_size - 1)
                 or (stv[0] | stv[1] | stv[2] | sto[0] | sto[1] | D) & (vec - 1)
             ):
-                return False
+                return None
             end_v = pv + ((N - 1) * stv[0] + (T - 1) * stv[1] + (H - 1) * stv[2] + D) * self.in_size
             end_s = ps + ((N - 1) * sts[0] + (T - 1) * sts[1] + (H - 1) * sts[2] + 1) * 4
             end_o = po + ((T - 1) * sto[0] + (H - 1) * sto[1] + D) * self.out_size
             if (po < end_v and pv < end_o) or (po < end_s and ps < end_o):
-                return False
+                return None
             if out_lse is not None:
                 if (
                     out_lse.dtype is not f32 or out_lse.get_device() != dev or out_lse.shape != (T, H)
@@ -664,14 +678,14 @@ class _MergeNPlan:
                     return False
                 pl, stl = out_lse.data_ptr(), out_lse.stride()
                 if (T > 1 and stl[0] == 0) or (H > 1 and stl[1] == 0):
-                    return False
+                    return None
                 end_l = pl + ((T - 1) * stl[0] + (H - 1) * stl[1] + 1) * 4
                 if (pl < end_v and pv < end_l) or (pl < end_s and ps < end_l) or (pl < end_o and po < end_l):
-                    return False
+                    return None
             else:
                 pl, stl = 0, (0, 0)
         except (AttributeError, TypeError, ValueError):
-            return False
+            return None
         if (
             N == 2
             and self.two is not None
@@ -680,14 +694,14 @@ class _MergeNPlan:
             and (out_lse is None or end_l - pl < _INT32)
             and self.launch_two(_torch_stream(dev), T, H, D, pv, stv, ps, sts, po, sto, pl, stl)
         ):
-            return True
+            return out, out_lse
         lanes = _lanes_n(D // vec, T * H, self.sms)
         self.launch(
             -(-T * H * lanes // self.block), _torch_stream(dev),
             pv, stv[0], stv[1], stv[2], ps, sts[0], sts[1], sts[2], po, sto[0], sto[1],
             pl, stl[0], stl[1], N, T, H, D, lanes, 0, self.k, self.inv_k, 0,
         )  # fmt: skip
-        return True
+        return out, out_lse
 
     def __call__(self, call: Call) -> tuple[Any, Any]:
         f = call.facts
