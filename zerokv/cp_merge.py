@@ -72,9 +72,10 @@ def cp_merge(
     CUDA: an all-gather of the LSE, one kernel, the reduce-scatter / all-reduce, and one
     conversion kernel when the output dtype or layout differs from the wire's; on the current
     stream of ``v``'s device, no host sync, so a call can be captured in a CUDA graph (the
-    collective's buffers are allocated with torch on that stream). A wire of 32 MiB or more per
-    rank is sent in chunks of tokens, each chunk's collective running beside the kernels of the
-    next. Ranks that disagree on shapes are not detected (that would take a host sync).
+    collective's buffers are allocated with torch on that stream). A wire of 256 MiB or more per
+    rank that needs the conversion is sent in chunks of tokens, each chunk's collective running
+    beside the kernels of the next. Ranks that disagree on shapes are not detected (that would
+    take a host sync).
     CPU tensors: the same steps in float64 through gloo (``wire_dtype`` ignored); shapes that
     differ between ranks, or a rank that rejects its arguments, raise ``ValueError`` on every
     rank instead of hanging. Mutates ``out`` and ``out_lse`` only.
