@@ -207,3 +207,24 @@ def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded
     plan = merge._MergeTwoPlan(_fresh(objs), None, None)
     _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
     assert recorded[-1][:2] == ("merge_state_kernel", (*flat, 1, 0, "int"))
+
+
+def test_merge_states_fast_path_declines_a_wrong_out_lse(recorded):
+    """A check that fails on the fast path sends the call to the validating path: None, never a
+    value merge_states would return, and nothing launched."""
+    T, H, D = 16, 4, 64
+    v = torch.randn(2, T, H, D).to(torch.bfloat16)
+    s = torch.randn(2, T, H)
+    out = torch.empty(T, H, D, dtype=torch.bfloat16)
+    objs = (v, s, out, torch.empty(T, H), None, None)
+    first = _call.Call("merge_states", objs, ("e", False))
+    first.key(merge._aligned_n(first))
+    plan = merge._MergeNPlan(first)
+    recorded.clear()
+    for bad in (
+        torch.empty(T, H, dtype=torch.float64),
+        torch.empty(T, H + 1),
+        torch.empty(T, H).requires_grad_(),
+    ):
+        assert plan.torch_call(v, s, out, bad) is None
+    assert recorded == []

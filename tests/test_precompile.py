@@ -45,7 +45,8 @@ def test_bf16_merge_state_builds_bf16_in_and_out_only(fake_device):
 def test_dtypes_select_every_combination_among_them(fake_device):
     zerokv.precompile(dtypes=[torch.bfloat16, torch.float8_e4m3fn], ops=["merge_states"], device="cuda:1")
     pairs = {("zk_bfloat16", "zk_bfloat16"), ("zk_bfloat16", "zk_fp8_e4m3")}
-    expected = _where(_kernels.MERGE_STATES, lambda t: t[:2] in pairs)
+    expected = _where(_kernels.MERGE_STATE_FLAT, lambda t: t[:2] in pairs)  # two states: the flat kernel
+    expected += _where(_kernels.MERGE_STATES, lambda t: t[:2] in pairs)
     assert [e for _, e, _ in fake_device] == expected
     assert {t[:2] for t in _kernels.MERGE_STATES.instances if t[:2] in pairs} == pairs
     assert {d for *_, d in fake_device} == {1}

@@ -218,7 +218,34 @@ def _aligned_two(call: Call) -> bool:
     return True
 
 
-class _MergeTwoPlan:
+class _FlatLaunch:
+    """A plan that may launch merge_state_flat_kernel. Sets ``flat_targs`` (None: never), ``vec``,
+    ``device``, ``k``, ``inv_k``; the launcher is loaded by the first call that uses it."""
+
+    flat = None
+    flat_targs: tuple | None = None
+
+    def launch_flat(
+        self, stream, T, H, D, prefix, verbatim, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl
+    ):
+        """One launch of the flat kernel (the caller checked that it applies: no FULL code, out_lse
+        not in place, D > 0, every offset below 2^31); ``st*``: (token, head) strides. False when
+        a stride does not fit its 32-bit parameter (a size-1 dimension may carry any stride)."""
+        if self.flat is None:
+            self.flat = _plans.launcher(_kernels.MERGE_STATE_FLAT, self.flat_targs, self.device)
+        packs = D // self.vec
+        try:
+            self.flat(
+                -(-T * H * packs // _FLAT_BLOCK), stream, pa, pb, psa, psb, po, pl, T * H, H, packs,
+                ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1], stb[0], stb[1], sto[0], sto[1],
+                stl[0], stl[1], prefix, verbatim, self.k, self.inv_k,
+            )  # fmt: skip
+        except struct.error:
+            return False
+        return True
+
+
+class _MergeTwoPlan(_FlatLaunch):
     """What every call of one merge_state signature shares: the instantiation, the constants."""
 
     def __init__(self, call: Call, prefix_rows: Any, names: dict[str, str] | None) -> None:
@@ -250,27 +277,7 @@ class _MergeTwoPlan:
         self.elem_bytes = 2 * self.in_size + self.out_size
         l2 = _runtime.l2_bytes(self.device)
         self.mid_lo, self.mid_hi = l2 // 10, 6 * l2 // 10
-        self.flat = None  # merge_state_flat_kernel's launcher, loaded by its first call
-
-    def flat_launcher(self) -> Any:
-        if self.flat is None:
-            self.flat = _plans.launcher(_kernels.MERGE_STATE_FLAT, self.targs, self.device)
-        return self.flat
-
-    def launch_flat(self, stream, T, H, D, prefix, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl):
-        """The common call through merge_state_flat_kernel (the caller checked that it applies:
-        no FULL code, out_lse not in place, D > 0, every offset below 2^31). False when a
-        stride does not fit its 32-bit parameter (a size-1 dimension may carry any stride)."""
-        packs = D // self.vec
-        try:
-            (self.flat or self.flat_launcher())(
-                -(-T * H * packs // _FLAT_BLOCK), stream, pa, pb, psa, psb, po, pl, T * H, H, packs,
-                ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1], stb[0], stb[1], sto[0], sto[1],
-                stl[0], stl[1], prefix, self.verbatim, self.k, self.inv_k,
-            )  # fmt: skip
-        except struct.error:
-            return False
-        return True
+        self.flat_targs = None if self.full else targs  # the common call: the flat kernel
 
     def geometry(self, D: int, rows: int, inplace_lse: bool) -> tuple[int, Any, Any]:
         """``(lanes, launcher with int indices, launcher with 64-bit indices)`` for rows of
@@ -380,12 +387,29 @@ class _MergeTwoPlan:
         prefix = T if prefix_rows is None else prefix_rows
         if (
             fits
-            and not self.full
+            and self.flat_targs is not None
             and not inplace
             and D
             and self.launch_flat(
-                _torch_stream(dev), T, H, D, prefix, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl
-            )
+                _torch_stream(dev),
+                T,
+                H,
+                D,
+                prefix,
+                self.verbatim,
+                pa,
+                sta,
+                pb,
+                stb,
+                psa,
+                ssa,
+                psb,
+                ssb,
+                po,
+                sto,
+                pl,
+                stl,
+            )  # fmt: skip
         ):
             return out, out_lse
         lanes, narrow, wide = self.geometry(D, T * H, inplace)
@@ -429,9 +453,9 @@ class _MergeTwoPlan:
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
-        if widest < _INT32 and not self.full and not inplace and D and self.launch_flat(
-            call.stream(), T, H, D, prefix, va[0], va_s, vb[0], vb_s, sa[0], sa_s, sb[0], sb_s,
-            o[0], o_s, ol_ptr, (ol_st, ol_sh),
+        if widest < _INT32 and self.flat_targs is not None and not inplace and D and self.launch_flat(
+            call.stream(), T, H, D, prefix, self.verbatim, va[0], va_s, vb[0], vb_s, sa[0], sa_s,
+            sb[0], sb_s, o[0], o_s, ol_ptr, (ol_st, ol_sh),
         ):  # fmt: skip
             return out, out_lse
         lanes, narrow, wide = self.geometry(D, T * H, inplace)
@@ -594,7 +618,7 @@ def _aligned_n(call: Call) -> bool:
     return True
 
 
-class _MergeNPlan:
+class _MergeNPlan(_FlatLaunch):
     def __init__(self, call: Call) -> None:
         v = _validate_n(call)
         vt, o = v["v"], v["out"]
@@ -617,26 +641,13 @@ class _MergeNPlan:
             self.empty = torch.empty
         # N = 2 without sinks or fp8 scale is merge_state's common call: its flat kernel moves the
         # data faster than the N-way kernel's loop over inputs (bench/NOTES.md)
-        self.two = None if call.objs[4] is not None or call.objs[5] is not None else targs
-        self.flat = None
-        self.k_two = _BASES[_checks.lse_base(call.scalars[0])]
+        self.flat_targs = None if call.objs[4] is not None or call.objs[5] is not None else targs
 
     def launch_two(self, stream, T, H, D, pv, stv, ps, sts, po, sto, pl, stl) -> bool:
-        """A two-state merge through merge_state_flat_kernel (the caller checked every offset
-        fits 32 bits and D > 0): state n at v + n * stv[0], s + n * sts[0]. False when a stride
-        does not fit its 32-bit parameter."""
-        if self.flat is None:
-            self.flat = _plans.launcher(_kernels.MERGE_STATE_FLAT, self.two, self.device)
-        packs = D // self.vec
-        try:
-            self.flat(
-                -(-T * H * packs // _FLAT_BLOCK), stream, pv, pv + stv[0] * self.in_size, ps, ps + sts[0] * 4,
-                po, pl, T * H, H, packs, sts[1], sts[2], sts[1], sts[2], stv[1], stv[2], stv[1], stv[2],
-                sto[0], sto[1], stl[0], stl[1], T, 0, *self.k_two,
-            )  # fmt: skip
-        except struct.error:
-            return False
-        return True
+        """States 0 and 1 (at v, v + stv[0]; s, s + sts[0]) through the flat kernel."""
+        sv, ss = stv[1:], sts[1:]
+        pb, psb = pv + stv[0] * self.in_size, ps + sts[0] * 4
+        return self.launch_flat(stream, T, H, D, T, 0, pv, sv, pb, sv, ps, ss, psb, ss, po, sto, pl, stl)
 
     def torch_call(self, v: Any, s: Any, out: Any, out_lse: Any) -> tuple[Any, Any] | None:
         """The engine call in straight-line code (see ``_MergeTwoPlan.torch_call``); None sends
@@ -675,7 +686,7 @@ class _MergeNPlan:
                     out_lse.dtype is not f32 or out_lse.get_device() != dev or out_lse.shape != (T, H)
                     or out_lse.requires_grad or out_lse.is_inference()
                 ):  # fmt: skip
-                    return False
+                    return None
                 pl, stl = out_lse.data_ptr(), out_lse.stride()
                 if (T > 1 and stl[0] == 0) or (H > 1 and stl[1] == 0):
                     return None
@@ -688,7 +699,7 @@ class _MergeNPlan:
             return None
         if (
             N == 2
-            and self.two is not None
+            and self.flat_targs is not None
             and D
             and max(end_v - pv, end_s - ps, end_o - po, T * H * D * 4) < _INT32
             and (out_lse is None or end_l - pl < _INT32)
@@ -726,7 +737,7 @@ class _MergeNPlan:
         widest = _INT32 if call.widest is None else max(call.widest, T * H * max(D, 1) * 4)
         if (
             N == 2
-            and self.two is not None
+            and self.flat_targs is not None
             and D
             and widest < _INT32
             and self.launch_two(call.stream(), T, H, D, v[0], vs, s[0], ss, o[0], os_, ol_ptr, (ol_st, ol_sh))
