@@ -163,7 +163,7 @@ def _measure(torch: Any, timer: Any, rank: int, dev: Any, T: int, H: int, D: int
     cpm = importlib.import_module("zerokv.cp_merge")
     # the float32 wire is pipelined here (the bf16 one is summed straight into the output, in one
     # piece): the same call without the overlap beside it
-    if len(cpm._chunks(T, H * D * 4, N)) > 1:
+    if len(cpm._chunks(T, H * D * 4, N, False)) > 1:
 
         def serial(call: Any) -> Any:
             def run(v: Any, s: Any) -> Any:

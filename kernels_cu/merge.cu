@@ -171,24 +171,25 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
 
 // The engine's common call (no a_empty, row mask, sinks or fp8 scale; out_lse not written in
 // place; every offset below 2^31 elements) in the smallest form: one thread per pack of V
-// (thread i: row i / packs, pack i % packs), 32-bit parameters and index math, the two LSE
-// loads and the two V loads issued before any arithmetic. Small merges are launch- and
-// latency-bound: every instruction and parameter byte before the loads shows in their time
+// (thread i: row i / packs, pack i % packs, both without a division), 32-bit parameters and
+// index math, the two LSE loads and the two V loads issued before any arithmetic. Small merges
+// are launch- and latency-bound: every instruction before the loads shows in their time
 // (bench/NOTES.md). The thread of pack 0 writes the row's LSE.
 template <typename Tin, typename Tout, int VEC>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_flat_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs,
+    unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,  // fast_div by packs and by H
     int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
     int out_st, int out_sh, int ol_st, int ol_sh,
     int prefix_rows,      // rows t >= prefix_rows take state b alone
     int suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
     float k, float inv_k) {
   const unsigned i = blockIdx.x * (unsigned)ZK_BLOCK_merge_state_flat_kernel + threadIdx.x;
-  const unsigned row = i / (unsigned)packs;
+  const unsigned row = fast_div(i, packs_mul, packs_shr);
   if (row >= (unsigned)rows) return;
   const int p = (int)(i - row * (unsigned)packs);
-  const int t = (int)(row / (unsigned)H), h = (int)row - t * H;
+  const int t = (int)fast_div(row, H_mul, H_shr), h = (int)row - t * H;
   const float la = __ldg(sa + (t * sa_st + h * sa_sh));
   const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
   const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + p * VEC));

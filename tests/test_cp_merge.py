@@ -579,7 +579,7 @@ def case_pipelined(ctx):
         case_empty_rows(ctx)
         case_vllm(ctx)
         if ctx.checking:
-            assert len(cpm._chunks(300, 4 * 2 * ctx.N * 128, 2)) > 1
+            assert len(cpm._chunks(300, 4 * 2 * ctx.N * 128, 2, False)) > 1
     finally:
         undo()
 

@@ -8,6 +8,7 @@ than as garbage on a GPU.
 from __future__ import annotations
 
 import dataclasses
+import random
 import re
 
 import pytest
@@ -27,7 +28,7 @@ def _c_type(decl: str) -> str:
         return "ptr"
     words = decl.split()[:-1]
     kind = " ".join(words)
-    types = {"i64": "i64", "long long": "i64", "int": "i32", "float": "f32"}
+    types = {"i64": "i64", "long long": "i64", "int": "i32", "unsigned": "u32", "float": "f32"}
     if kind not in types:
         raise AssertionError(f"parameter {decl.strip()!r} has a type the runtime cannot pack")
     return types[kind]
@@ -119,3 +120,39 @@ def test_instantiations_are_unique_and_name_described_kernels():
         assert len(exprs) == len(set(exprs)), stem
         names = {k.name for k in _kernels.KERNELS if k.stem == stem}
         assert all(e.split("<")[0] in names for e in exprs)
+
+
+def _fast_div(n: int, mul: int, shr: int) -> int:
+    """The kernels' fast_div (common.cuh) in Python integers."""
+    return n if mul == 0 else ((n * mul) >> 32) >> shr
+
+
+def test_fast_divisor_divides_exactly_below_2_to_the_31():
+    rng = random.Random(7)
+    divisors = [*range(1, 3000), *(2**k + j for k in range(1, 31) for j in (-1, 0, 1))]
+    divisors += [rng.randrange(1, 2**31) for _ in range(2000)]
+    for d in divisors:
+        if d >= 2**31:
+            continue
+        mul, shr = _kernels.fast_divisor(d)
+        assert 0 <= mul < 2**32 and 0 <= shr < 32, (d, mul, shr)
+        top = 2**31 - 1
+        for n in (
+            0,
+            1,
+            d - 1,
+            d,
+            d + 1,
+            top,
+            top - top % d,
+            top - top % d - 1,
+            *(rng.randrange(2**31) for _ in range(20)),
+        ):
+            if 0 <= n < 2**31:
+                assert _fast_div(n, mul, shr) == n // d, (n, d)
+
+
+@pytest.mark.parametrize("d", [0, -3, 2**31])
+def test_fast_divisor_rejects_divisors_it_cannot_serve(d):
+    with pytest.raises(ValueError, match="d must be"):
+        _kernels.fast_divisor(d)

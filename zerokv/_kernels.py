@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 from . import _dtypes
 
 # C type -> (struct code, bytes); the alignment of each is its size.
-CTYPES = {"ptr": ("Q", 8), "i64": ("q", 8), "i32": ("i", 4), "f32": ("f", 4)}
+CTYPES = {"ptr": ("Q", 8), "i64": ("q", 8), "i32": ("i", 4), "u32": ("I", 4), "f32": ("f", 4)}
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,19 @@ def _vec(dtype: str) -> int:
     return 16 // _dtypes.itemsize(dtype)
 
 
+@lru_cache(maxsize=256)
+def fast_divisor(d: int) -> tuple[int, int]:
+    """``(mul, shr)`` such that ``n // d == (n * mul >> 32) >> shr`` for every ``0 <= n < 2**31``
+    (the kernels' ``fast_div``); ``(0, 0)`` for ``d == 1``. ``mul = ceil(2**p / d)`` with
+    ``p = 31 + ceil(log2 d)``: its error ``mul * d - 2**p < d`` stays below ``2**p / n``."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"fast_divisor: d must be in [1, 2**31), got {d}")
+    if d == 1:
+        return 0, 0
+    p = 31 + (d - 1).bit_length()
+    return -(-(1 << p) // d), p - 32
+
+
 def _params(spec: str) -> tuple[tuple[str, str], ...]:
     """``"ptr va, i64 va_st, ..."`` -> ((name, type), ...)."""
     out = []
@@ -113,6 +126,7 @@ MERGE_STATE_FLAT = Kernel(
     block=128,
     params=_params(
         "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, i32 H, i32 packs,"
+        " u32 packs_mul, i32 packs_shr, u32 H_mul, i32 H_shr,"
         " i32 sa_st, i32 sa_sh, i32 sb_st, i32 sb_sh, i32 va_st, i32 va_sh, i32 vb_st, i32 vb_sh,"
         " i32 out_st, i32 out_sh, i32 ol_st, i32 ol_sh, i32 prefix_rows, i32 suffix_verbatim,"
         " f32 k, f32 inv_k"

@@ -319,7 +319,7 @@ def _device_combine(torch, pg, N, rank, scatter, a: _Args, v, s, out, out_lse, n
     # Large combines that need the conversion run in chunks of tokens: each chunk's collective
     # is issued asynchronously, so the kernels of the next (and the conversion of the previous)
     # chunk run beside it. Where the collective writes the output, one piece is faster.
-    chunks = [(0, T)] if direct else _chunks(T, H * D * _dtypes.itemsize(a.wire), N)
+    chunks = _chunks(T, H * D * _dtypes.itemsize(a.wire), N, direct)
     overlap = len(chunks) > 1
     cap = _runtime.sm_count(dev) * _OVERLAP_THREADS_PER_SM if overlap else 0
     waiting: list = []  # (work, t0, t1) of collectives issued, oldest first
@@ -361,10 +361,10 @@ _OVERLAP_MAX_CHUNKS = 16
 _OVERLAP_THREADS_PER_SM = 1024
 
 
-def _chunks(T: int, wire_bytes_per_token: int, N: int) -> list[tuple[int, int]]:
+def _chunks(T: int, wire_bytes_per_token: int, N: int, direct: bool) -> list[tuple[int, int]]:
     """Token ranges ``[t0, t1)`` the combine runs in: one unless the wire is large."""
     total = T * wire_bytes_per_token
-    if N == 1 or total < _OVERLAP_MIN_BYTES:
+    if N == 1 or direct or total < _OVERLAP_MIN_BYTES:
         return [(0, T)]
     count = min(_OVERLAP_MAX_CHUNKS, -(-total // _OVERLAP_CHUNK_BYTES), T)
     step = -(-T // count)

@@ -234,9 +234,11 @@ class _FlatLaunch:
         if self.flat is None:
             self.flat = _plans.launcher(_kernels.MERGE_STATE_FLAT, self.flat_targs, self.device)
         packs = D // self.vec
+        div = _kernels.fast_divisor
         try:
             self.flat(
                 -(-T * H * packs // _FLAT_BLOCK), stream, pa, pb, psa, psb, po, pl, T * H, H, packs,
+                *div(packs), *div(H),
                 ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1], stb[0], stb[1], sto[0], sto[1],
                 stl[0], stl[1], prefix, verbatim, self.k, self.inv_k,
             )  # fmt: skip
