@@ -184,9 +184,10 @@ def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded
     T, H, D = 64, 8, 128
     v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
     flat = ("zk_bfloat16", "zk_bfloat16", 8)
-    for out, out_lse, targs in [  # the flat kernel's template arguments have three entries
-        (torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H), flat),
-        (v_a, torch.empty(T, H), flat),  # V in place: one thread reads and writes each pack
+    small = (*flat, 1)  # 64 blocks: a small grid
+    for out, out_lse, targs in [  # the flat kernel's template arguments have four entries
+        (torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H), small),
+        (v_a, torch.empty(T, H), small),  # V in place: one thread reads and writes each pack
         (torch.empty(T, H, D, dtype=torch.bfloat16), s_a, (*flat, 1, 0, "int")),  # LSE in place
     ]:
         objs = (v_a, s_a, v_b, s_b, out, out_lse)
@@ -207,6 +208,43 @@ def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded
     plan = merge._MergeTwoPlan(_fresh(objs), None, None)
     _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
     assert recorded[-1][:2] == ("merge_state_kernel", (*flat, 1, 0, "int"))
+
+
+def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded):
+    """SMALL = 1 up to 4 x 132 blocks of 128 threads (packs of 8 bf16), SMALL = 0 past it, on
+    both paths and both plans."""
+    H, D = 8, 128  # 16 packs per row, 8 rows per block: T blocks
+    for T, small in [(1, 1), (528, 1), (529, 0), (4096, 0)]:
+        v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
+        objs = (v_a, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
+        plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+        _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+        assert recorded[-1][:3] == (
+            "merge_state_flat_kernel",
+            ("zk_bfloat16", "zk_bfloat16", 8, small),
+            T,
+        )
+        v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
+        objs_n = (v, s, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H), None, None)
+
+        def validating(objs_n=objs_n):
+            call = _call.Call("merge_states", objs_n, ("e", False))
+            call.key(merge._aligned_n(call))
+            return plan_n(call)
+
+        plan_n = merge._MergeNPlan(_first_n(objs_n))
+        _both(recorded, lambda: plan_n.torch_call(*objs_n[:4]), validating)
+        assert recorded[-1][:3] == (
+            "merge_state_flat_kernel",
+            ("zk_bfloat16", "zk_bfloat16", 8, small),
+            T,
+        )
+
+
+def _first_n(objs):
+    call = _call.Call("merge_states", objs, ("e", False))
+    call.key(merge._aligned_n(call))
+    return call
 
 
 def test_merge_states_fast_path_declines_a_wrong_out_lse(recorded):

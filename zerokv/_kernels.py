@@ -122,7 +122,10 @@ MERGE_STATE = Kernel(
 MERGE_STATE_FLAT = Kernel(
     stem="merge",
     name="merge_state_flat_kernel",
-    instances=tuple((ci, co, v) for ci, i in _V for co, _ in _V for v in (1, _vec(i))),  # no fp8 output
+    # no fp8 output; SMALL: 1 for grids of a few waves (merge.py picks)
+    instances=tuple(
+        (ci, co, v, small) for ci, i in _V for co, _ in _V for v in (1, _vec(i)) for small in (0, 1)
+    ),
     block=128,
     params=_params(
         "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, i32 H, i32 packs,"

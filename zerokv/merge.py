@@ -222,7 +222,7 @@ class _FlatLaunch:
     """A plan that may launch merge_state_flat_kernel. Sets ``flat_targs`` (None: never), ``vec``,
     ``device``, ``k``, ``inv_k``; the launcher is loaded by the first call that uses it."""
 
-    flat = None
+    flat: list | None = None  # [large, small] launchers, loaded by the first call of each
     flat_targs: tuple | None = None
 
     def launch_flat(
@@ -231,14 +231,20 @@ class _FlatLaunch:
         """One launch of the flat kernel (the caller checked that it applies: no FULL code, out_lse
         not in place, D > 0, every offset below 2^31); ``st*``: (token, head) strides. False when
         a stride does not fit its 32-bit parameter (a size-1 dimension may carry any stride)."""
-        if self.flat is None:
-            self.flat = _plans.launcher(_kernels.MERGE_STATE_FLAT, self.flat_targs, self.device)
         packs = D // self.vec
+        blocks = -(-T * H * packs // _FLAT_BLOCK)
+        small = int(blocks <= _FLAT_SMALL_BLOCKS_PER_SM * self.sms)
+        if self.flat is None:
+            self.flat = [None, None]
+        launch = self.flat[small]
+        if launch is None:
+            launch = self.flat[small] = _plans.launcher(
+                _kernels.MERGE_STATE_FLAT, (*self.flat_targs, small), self.device
+            )
         div = _kernels.fast_divisor
         try:
-            self.flat(
-                -(-T * H * packs // _FLAT_BLOCK), stream, pa, pb, psa, psb, po, pl, T * H, H, packs,
-                *div(packs), *div(H),
+            launch(
+                blocks, stream, pa, pb, psa, psb, po, pl, T * H, H, packs, *div(packs), *div(H),
                 ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1], stb[0], stb[1], sto[0], sto[1],
                 stl[0], stl[1], prefix, verbatim, self.k, self.inv_k,
             )  # fmt: skip
@@ -512,6 +518,9 @@ def _fast_checks_two(f: list, prefix_rows: Any) -> bool:
 
 _INT32 = 1 << 31
 _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
+# Grids of at most this many blocks per SM take the flat kernel's SMALL form: measured on an
+# H200 (bench/NOTES.md), 3-6 % faster up to 256 blocks, even at 1024, 4 % slower at 4096.
+_FLAT_SMALL_BLOCKS_PER_SM = 4
 
 
 def _numel(shape: tuple) -> int:
