@@ -50,8 +50,8 @@ __global__ void __launch_bounds__(ZK_BLOCK_empty_rows_kernel, 4) empty_rows_kern
   bool empty[PER_THREAD];
   scan_step<RULE>(lens, (int)lens_is64, batch, 0, empty);
   // One barrier decides for the whole block whether this step has any empty request.
-  bool any = __syncthreads_or(empty[0] || empty[1] || empty[2] || empty[3]);
-  if (!any && batch <= STEP) return;  // uniform: every thread sees the same barrier result
+  bool found = __syncthreads_or(empty[0] || empty[1] || empty[2] || empty[3]);
+  if (!found && batch <= STEP) return;  // uniform: every thread sees the same barrier result
 
   constexpr int WARPS = ZK_BLOCK_empty_rows_kernel / 32;
   __shared__ unsigned empty_words[WORDS];
@@ -70,9 +70,9 @@ __global__ void __launch_bounds__(ZK_BLOCK_empty_rows_kernel, 4) empty_rows_kern
   for (i64 first = 0; first < batch; first += STEP) {
     if (first != 0) {  // a batch without an empty request costs a round trip and a barrier per step
       scan_step<RULE>(lens, (int)lens_is64, batch, first, empty);
-      any = __syncthreads_or(empty[0] || empty[1] || empty[2] || empty[3]);
+      found = __syncthreads_or(empty[0] || empty[1] || empty[2] || empty[3]);
     }
-    if (!any) continue;
+    if (!found) continue;
 #pragma unroll
     for (int j = 0; j < PER_THREAD; ++j) {  // word j * WARPS + warp: requests first + 32 * word + bit
       const unsigned m = __ballot_sync(0xffffffffu, empty[j]);

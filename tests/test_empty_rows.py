@@ -176,6 +176,29 @@ def test_kernel(op, dtype, empty, index_dtype, B, max_q, H, D):
     check_empty_rows(out, lse, *before, rows)
 
 
+@by_op
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("where", ["none", "first step", "last step", "every step"])
+@pytest.mark.parametrize("B", [1025, 2500])
+def test_batches_of_several_scan_steps(op, device, where, B):
+    """More requests than the kernel tests in one step (1024): empty requests only in the first
+    step, only in the last, in every step, or none at all."""
+    g = torch.Generator().manual_seed(B + len(where))
+    q = torch.randint(0, 4, (B,), generator=g)
+    kv = torch.randint(1, 9, (B,), generator=g)
+    picks = {"none": [], "first step": [3, 1000], "last step": [B - 1], "every step": list(range(5, B, 97))}
+    kv[picks[where]] = 0
+    q[picks[where]] = 2  # rows to write
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), q.cumsum(0)]).to(torch.int32)
+    kv = kv.to(torch.int32)
+    rows = empty_rows(cu, kv)
+    assert int(rows.sum()) == 2 * len(picks[where])
+    out, lse = garbage_state(int(cu[-1]), 4, 64, torch.bfloat16, rows, device, B, lse_ht=B % 2 == 0)
+    before = out.clone(), lse.clone()
+    op(out, lse, cu.to(device), op.emptiness(kv).to(device))
+    check_empty_rows(out, lse, *before, rows)
+
+
 @pytest.mark.gpu
 @by_op
 @pytest.mark.parametrize("layout", ["contiguous", "padded"])
