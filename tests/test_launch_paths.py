@@ -40,8 +40,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(_plans, "launcher", launcher)
     monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
     monkeypatch.setattr(_runtime, "l2_bytes", lambda device: 50 << 20)
-    monkeypatch.setattr(merge, "_torch_stream", lambda device: 0)
-    monkeypatch.setattr(empty_rows._runtime, "torch_stream", lambda device: 0)
+    monkeypatch.setattr(_runtime, "torch_stream", lambda device: 0)
     monkeypatch.setattr(_call.Call, "stream", lambda self: 0)
     return log
 

@@ -8,7 +8,6 @@ op's full validation (which names the argument) runs and raises.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from . import _host, _runtime
@@ -100,7 +99,7 @@ class Call:
     def stream(self) -> int:
         """The producer's current stream on the call's device."""
         if self.is_torch:
-            return sys.modules["torch"]._C._cuda_getCurrentRawStream(self.device)
+            return _runtime.torch_stream(self.device)
         return _runtime.cupy_stream(self.device)
 
     def new(self, shape: tuple[int, ...], dtype: str) -> Any:

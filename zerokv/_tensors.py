@@ -61,6 +61,9 @@ class _NoTorch:
     """Stands for torch.Tensor before torch is imported: no object has this type."""
 
 
+_torch_tensor_type: list[type] = []  # torch.Tensor, once torch has been seen
+
+
 def torch_tensor_type() -> type:
     """``torch.Tensor`` once torch is imported (a type no object has before)."""
     if _torch_tensor_type:
@@ -120,10 +123,11 @@ _get_pointer.restype = ctypes.c_void_p
 _get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
 
 
-def dlpack_view(x: Any, stream: int | None = None) -> Tensor:
+def dlpack_view(x: Any, stream: int | None = None, device: tuple[int, int] | None = None) -> Tensor:
     """Parse ``x.__dlpack__()`` in place. ``stream``: the CUDA stream the consumer will use
-    (the producer orders its pending work before it, as the DLPack protocol says)."""
-    dev_type, dev_id = x.__dlpack_device__()
+    (the producer orders its pending work before it, as the DLPack protocol says);
+    ``device``: ``x.__dlpack_device__()`` when the caller has read it."""
+    dev_type, dev_id = device or x.__dlpack_device__()
     if dev_type in (_DL_CUDA, _DL_CUDA_MANAGED) and stream is not None:
         capsule = x.__dlpack__(stream=stream)
     else:
@@ -154,21 +158,15 @@ def is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-_torch_tensor_type: list[type] = []  # torch.Tensor, once torch has been seen
-
-
 def view(x: Any, arg: str) -> Tensor:
     """Any tensor-like to a :class:`Tensor`; ``TypeError`` naming ``arg`` otherwise."""
-    if _torch_tensor_type and type(x) is _torch_tensor_type[0]:
-        return torch_view(x)
-    if is_torch(x):
-        if not _torch_tensor_type:
-            _torch_tensor_type.append(sys.modules["torch"].Tensor)
+    if type(x) is torch_tensor_type() or is_torch(x):
         return torch_view(x)
     if isinstance(x, np.ndarray):
         return _numpy_view(x)
     if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
-        return dlpack_view(x, _producer_stream(x))
+        device = x.__dlpack_device__()
+        return dlpack_view(x, _producer_stream(device), device)
     raise TypeError(
         f"{arg}: expected a tensor (torch, CuPy, numpy or any DLPack producer), got {type(x).__name__}"
     )
@@ -186,10 +184,11 @@ def _numpy_view(a: np.ndarray) -> Tensor:
     return Tensor(a, a.__array_interface__["data"][0], a.shape, strides, name, -1, False)
 
 
-def _producer_stream(x: Any) -> int | None:
-    """The stream a non-torch CUDA producer hands its data on: CuPy's current stream."""
-    if x.__dlpack_device__()[0] not in (_DL_CUDA, _DL_CUDA_MANAGED):
+def _producer_stream(device: tuple[int, int]) -> int | None:
+    """The stream a non-torch CUDA producer (on DLPack ``device``) hands its data on: CuPy's
+    current stream."""
+    if device[0] not in (_DL_CUDA, _DL_CUDA_MANAGED):
         return None
     from . import _runtime
 
-    return _runtime.cupy_stream(x.__dlpack_device__()[1]) or 1  # 1: the legacy default stream
+    return _runtime.cupy_stream(device[1]) or 1  # 1: the legacy default stream

@@ -218,12 +218,40 @@ def _aligned_two(call: Call) -> bool:
     return True
 
 
-class _FlatLaunch:
-    """A plan that may launch merge_state_flat_kernel. Sets ``flat_targs`` (None: never), ``vec``,
-    ``device``, ``k``, ``inv_k``; the launcher is loaded by the first call that uses it."""
+class _MergePlan:
+    """What both merge plans share: their constants (``_setup``), the outputs a call leaves to
+    the op (``outputs``) and merge_state_flat_kernel, whose launchers are loaded by the first
+    call that uses each; ``flat_targs`` None: never."""
 
     flat: list | None = None  # [large, small] launchers, loaded by the first call of each
     flat_targs: tuple | None = None
+
+    def _setup(
+        self, call: Call, device: int, in_dtype: str, out_dtype: str, vec: int, allocate_lse: bool
+    ) -> None:
+        self.device = device
+        self.sms = _runtime.sm_count(device)
+        self.vec = vec
+        self.out_dtype = out_dtype
+        self.allocate_lse = allocate_lse
+        self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
+        self.itemsizes = [None if d is None else _dtypes.ITEMSIZE.get(d) for d in call.dtypes]
+        self.in_size, self.out_size = _dtypes.itemsize(in_dtype), _dtypes.itemsize(out_dtype)
+        if call.is_torch:
+            torch = sys.modules["torch"]
+            self.t_in, self.t_out, self.t_f32 = (getattr(torch, d) for d in (in_dtype, out_dtype, "float32"))
+            self.empty = torch.empty
+
+    def outputs(self, call: Call, out: Any, o: Any, out_lse: Any, ol: Any, T: int, H: int, D: int):
+        """``(out, o, out_lse, ol)``: the call's outputs and their facts, with those it left to
+        the op allocated (the LSE only when this signature asks for it)."""
+        if o is None:
+            out = call.new((T, H, D), self.out_dtype)
+            o = read(out)
+        if ol is None and self.allocate_lse:
+            out_lse = call.new((T, H), "float32")
+            ol = read(out_lse)
+        return out, o, out_lse, ol
 
     def launch_flat(
         self, stream, T, H, D, prefix, verbatim, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl
@@ -253,7 +281,7 @@ class _FlatLaunch:
         return True
 
 
-class _MergeTwoPlan(_FlatLaunch):
+class _MergeTwoPlan(_MergePlan):
     """What every call of one merge_state signature shares: the instantiation, the constants."""
 
     def __init__(self, call: Call, prefix_rows: Any, names: dict[str, str] | None) -> None:
@@ -268,20 +296,9 @@ class _MergeTwoPlan(_FlatLaunch):
         self.geo: dict = {}
         self.last_geo_key, self.last_geo = None, None
         self.block = _kernels.MERGE_STATE.block
-        self.sms = _runtime.sm_count(v["device"])
-        self.device = v["device"]
-        self.vec = vec
-        self.out_dtype = out_dtype
-        self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
+        self._setup(call, v["device"], va.dtype, out_dtype, vec, call.scalars[3])
         self.verbatim = int(bool(call.scalars[2]))
-        self.allocate_lse = call.scalars[3]
-        self.itemsizes = [None if d is None else _dtypes.ITEMSIZE.get(d) for d in call.dtypes]
         self.a_is64 = int(len(call.dtypes) > 6 and call.dtypes[6] == "int64")
-        self.in_size, self.out_size = _dtypes.itemsize(va.dtype), _dtypes.itemsize(out_dtype)
-        if call.is_torch:
-            torch = sys.modules["torch"]
-            self.t_in, self.t_out, self.t_f32 = (getattr(torch, d) for d in (va.dtype, out_dtype, "float32"))
-            self.empty = torch.empty
         self.elem_bytes = 2 * self.in_size + self.out_size
         l2 = _runtime.l2_bytes(self.device)
         self.mid_lo, self.mid_hi = l2 // 10, 6 * l2 // 10
@@ -393,36 +410,14 @@ class _MergeTwoPlan(_FlatLaunch):
         fits = span < _INT32 and (out_lse is None or end_l - pl < _INT32)
         inplace = pl in (psa, psb)
         prefix = T if prefix_rows is None else prefix_rows
-        if (
-            fits
-            and self.flat_targs is not None
-            and not inplace
-            and D
-            and self.launch_flat(
-                _torch_stream(dev),
-                T,
-                H,
-                D,
-                prefix,
-                self.verbatim,
-                pa,
-                sta,
-                pb,
-                stb,
-                psa,
-                ssa,
-                psb,
-                ssb,
-                po,
-                sto,
-                pl,
-                stl,
-            )  # fmt: skip
-        ):
+        if fits and self.flat_targs is not None and not inplace and D and self.launch_flat(
+            _runtime.torch_stream(dev), T, H, D, prefix, self.verbatim,
+            pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl,
+        ):  # fmt: skip
             return out, out_lse
         lanes, narrow, wide = self.geometry(D, T * H, inplace)
         (narrow if fits and T * H * lanes < _INT32 else wide)(
-            -(-T * H * lanes // self.block), _torch_stream(dev),
+            -(-T * H * lanes // self.block), _runtime.torch_stream(dev),
             pa, sta[0], sta[1], pb, stb[0], stb[1], po, sto[0], sto[1],
             psa, ssa[0], ssa[1], psb, ssb[0], ssb[1], pl, stl[0], stl[1],
             T, H, D, lanes, prefix, self.verbatim, 0, 0, 0, 0, 0, 0, self.k, self.inv_k, 0,
@@ -444,14 +439,7 @@ class _MergeTwoPlan(_FlatLaunch):
         if not ok:  # something changed since the plan was built: the full checks say what
             _validate_two(call, prefix_rows, names)
         T, H, D = va[1]
-        x = call.objs
-        out, out_lse = x[4], x[5]
-        if o is None:
-            out = call.new((T, H, D), self.out_dtype)
-            o = read(out)
-        if ol is None and self.allocate_lse:
-            out_lse = call.new((T, H), "float32")
-            ol = read(out_lse)
+        out, o, out_lse, ol = self.outputs(call, call.objs[4], o, call.objs[5], ol, T, H, D)
         if T * H == 0:
             return out, out_lse
         inplace = ol is not None and ol[0] in (sa[0], sb[0])
@@ -629,7 +617,7 @@ def _aligned_n(call: Call) -> bool:
     return True
 
 
-class _MergeNPlan(_FlatLaunch):
+class _MergeNPlan(_MergePlan):
     def __init__(self, call: Call) -> None:
         v = _validate_n(call)
         vt, o = v["v"], v["out"]
@@ -638,18 +626,7 @@ class _MergeNPlan(_FlatLaunch):
         targs = (_dtypes.ctype(vt.dtype), _dtypes.ctype(out_dtype), vec)
         self.launch = _plans.launcher(_kernels.MERGE_STATES, targs, v["device"])
         self.block = _kernels.MERGE_STATES.block
-        self.sms = _runtime.sm_count(v["device"])
-        self.vec = vec
-        self.out_dtype = out_dtype
-        self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
-        self.allocate = call.scalars[1]
-        self.itemsizes = [None if d is None else _dtypes.ITEMSIZE.get(d) for d in call.dtypes]
-        self.device = v["device"]
-        self.in_size, self.out_size = _dtypes.itemsize(vt.dtype), _dtypes.itemsize(out_dtype)
-        if call.is_torch:
-            torch = sys.modules["torch"]
-            self.t_in, self.t_out, self.t_f32 = (getattr(torch, d) for d in (vt.dtype, out_dtype, "float32"))
-            self.empty = torch.empty
+        self._setup(call, v["device"], vt.dtype, out_dtype, vec, call.scalars[1])
         # N = 2 without sinks or fp8 scale is merge_state's common call: its flat kernel moves the
         # data faster than the N-way kernel's loop over inputs (bench/NOTES.md)
         self.flat_targs = None if call.objs[4] is not None or call.objs[5] is not None else targs
@@ -672,7 +649,7 @@ class _MergeNPlan(_FlatLaunch):
                 return None
             if out is None:  # allocated: contiguous, aligned, apart from the inputs
                 out = self.empty((T, H, D), dtype=self.t_out, device=v.device)
-                if out_lse is None and self.allocate:
+                if out_lse is None and self.allocate_lse:
                     out_lse = self.empty((T, H), dtype=f32, device=v.device)
             elif out.get_device() != dev or out.requires_grad or out.is_inference() or out.shape != (T, H, D):
                 return None
@@ -714,12 +691,12 @@ class _MergeNPlan(_FlatLaunch):
             and D
             and max(end_v - pv, end_s - ps, end_o - po, T * H * D * 4) < _INT32
             and (out_lse is None or end_l - pl < _INT32)
-            and self.launch_two(_torch_stream(dev), T, H, D, pv, stv, ps, sts, po, sto, pl, stl)
+            and self.launch_two(_runtime.torch_stream(dev), T, H, D, pv, stv, ps, sts, po, sto, pl, stl)
         ):
             return out, out_lse
         lanes = _lanes_n(D // vec, T * H, self.sms)
         self.launch(
-            -(-T * H * lanes // self.block), _torch_stream(dev),
+            -(-T * H * lanes // self.block), _runtime.torch_stream(dev),
             pv, stv[0], stv[1], stv[2], ps, sts[0], sts[1], sts[2], po, sto[0], sto[1],
             pl, stl[0], stl[1], N, T, H, D, lanes, 0, self.k, self.inv_k, 0,
         )  # fmt: skip
@@ -733,13 +710,7 @@ class _MergeNPlan(_FlatLaunch):
         ):
             _validate_n(call)
         N, T, H, D = v[1]
-        out, out_lse = call.objs[2], call.objs[3]
-        if o is None:
-            out = call.new((T, H, D), self.out_dtype)
-            o = read(out)
-        if ol is None and self.allocate:
-            out_lse = call.new((T, H), "float32")
-            ol = read(out_lse)
+        out, o, out_lse, ol = self.outputs(call, call.objs[2], o, call.objs[3], ol, T, H, D)
         if T * H == 0:
             return out, out_lse
         vs, ss, os_ = v[2], s[2], o[2]
@@ -782,10 +753,6 @@ def _fast_checks_n(f: list) -> bool:
     if sinks is not None and (sinks[1] != (H,) or (H > 1 and sinks[2][0] != 1)):
         return False
     return not (scale is not None and _numel(scale[1]) != 1)
-
-
-def _torch_stream(device: int) -> int:
-    return sys.modules["torch"]._C._cuda_getCurrentRawStream(device)
 
 
 # --- geometry -----------------------------------------------------------------------------------

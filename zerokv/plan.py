@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from ._tensors import is_torch
+
 
 @dataclass(frozen=True)
 class ContextChunkPlan:
@@ -80,7 +82,7 @@ def plan_context_chunks(
     ``MAX_PLAN_ENTRIES`` (2^25) chunk-request entries. Every value is checked before anything
     is cast or allocated.
     """
-    as_torch = _is_torch(query_lens) or _is_torch(context_lens)
+    as_torch = is_torch(query_lens) or is_torch(context_lens)
     q = _lengths(query_lens, "query_lens")
     ctx = _lengths(context_lens, "context_lens")
     if q.shape != ctx.shape:
@@ -137,11 +139,6 @@ def plan_context_chunks(
     )
 
 
-def _is_torch(x: Any) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
-
-
 def _positive(v: Any, arg: str) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"{arg}: expected an int, got {type(v).__name__}")
@@ -154,7 +151,7 @@ def _positive(v: Any, arg: str) -> int:
 
 def _lengths(x: Any, arg: str) -> np.ndarray:
     """``[B]`` lengths as int64, every value checked before the cast: integers, 0..2^31 - 1."""
-    if _is_torch(x):
+    if is_torch(x):
         if x.device.type != "cpu":
             raise ValueError(f"{arg}: must be on the CPU (planning never syncs a device), got {x.device}")
         if x.is_floating_point() or x.is_complex() or x.dtype is sys.modules["torch"].bool:
