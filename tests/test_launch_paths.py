@@ -265,3 +265,55 @@ def test_merge_states_fast_path_declines_a_wrong_out_lse(recorded):
     ):
         assert plan.torch_call(v, s, out, bad) is None
     assert recorded == []
+
+
+def _shifted(t):
+    """``t``'s values one element into a fresh buffer: the data pointer loses its 16-byte
+    alignment."""
+    buf = torch.empty(t.numel() + 1, dtype=t.dtype)
+    out = buf[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def test_each_fast_path_takes_only_calls_of_its_plans_alignment(recorded):
+    """The short keys of the fast paths do not hold the layout: a plan built for an unaligned
+    call must not take aligned calls (they would lose their vector accesses for good), and a
+    vectorised plan must not take unaligned ones. Declining sends the call to the validating
+    path, which finds the plan of its own layout."""
+    T, H, D = 16, 4, 64
+    v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, False, 0)
+    aligned = (v_a, s_a, v_b, s_b, None, None)
+    shifted = (_shifted(v_a), s_a, v_b, s_b, None, None)
+    for objs, other in ((aligned, shifted), (shifted, aligned)):
+        plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+        assert plan.vec == (8 if objs is aligned else 1)
+        assert plan.torch_call(*objs, None) is not None
+        assert plan.torch_call(*other, None) is None
+        # a given output counts too: aligned inputs with an unaligned output are an unaligned call
+        out = torch.empty(T, H, D, dtype=torch.bfloat16)
+        done = plan.torch_call(*aligned[:4], _shifted(out), None, None)
+        assert (done is None) == (objs is aligned)
+        done = plan.torch_call(*aligned[:4], out, None, None)
+        assert (done is None) == (objs is shifted)
+
+    v = torch.stack([v_a, v_b])
+    for state, other in ((v, _shifted(v)), (_shifted(v), v)):
+        first = _call.Call(
+            "merge_states", (state, torch.stack([s_a, s_b]), None, None, None, None), ("e", True)
+        )
+        first.key(merge._aligned_n(first))
+        plan_n = merge._MergeNPlan(first)
+        assert plan_n.torch_call(state, first.objs[1], None, None) is not None
+        assert plan_n.torch_call(other, first.objs[1], None, None) is None
+
+    names = ("out", "lse", "cu_seqlens_q", "kv_lens")
+    cu = torch.tensor([0, 7, T], dtype=torch.int32)
+    lens = torch.tensor([0, 3], dtype=torch.int32)
+    lse = torch.randn(T, H)
+    for out, other in ((v_a.clone(), _shifted(v_a)), (_shifted(v_a), v_a.clone())):
+        call = _call.Call("fixup_zero_kv_rows", (out, lse, cu, lens), ())
+        call.key(empty_rows._aligned(call))
+        plan = empty_rows._EmptyRowsPlan(call, _kernels.RULE_KV_LENS_ZERO, names)
+        assert plan.torch_call(out, lse, cu, lens) is True
+        assert plan.torch_call(other, lse, cu, lens) is False

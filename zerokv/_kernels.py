@@ -64,7 +64,8 @@ class Kernel:
         return self.packer.pack(*(values[n] for n, _ in self.params))
 
 
-def _vec(dtype: str) -> int:
+def vec(dtype: str) -> int:
+    """Elements of ``dtype`` per 16-byte access: the vector width of an aligned call."""
     return 16 // _dtypes.itemsize(dtype)
 
 
@@ -103,7 +104,7 @@ MERGE_STATE = Kernel(
         (ci, co, v, ppt, full, index)
         for ci, i in _V
         for co in _O
-        for v in (1, _vec(i))
+        for v in (1, vec(i))
         for ppt in (1, 2)
         for full in ((1,) if co == _dtypes.ctype("float8_e4m3fn") else (0, 1))
         for index in (("long long",) if full else ("int", "long long"))
@@ -124,7 +125,7 @@ MERGE_STATE_FLAT = Kernel(
     name="merge_state_flat_kernel",
     # no fp8 output; SMALL: 1 for grids of a few waves (merge.py picks)
     instances=tuple(
-        (ci, co, v, small) for ci, i in _V for co, _ in _V for v in (1, _vec(i)) for small in (0, 1)
+        (ci, co, v, small) for ci, i in _V for co, _ in _V for v in (1, vec(i)) for small in (0, 1)
     ),
     block=128,
     params=_params(
@@ -139,7 +140,7 @@ MERGE_STATE_FLAT = Kernel(
 MERGE_STATES = Kernel(
     stem="merge",
     name="merge_states_kernel",
-    instances=tuple((ci, co, v) for ci, i in _V for co in _O for v in (1, _vec(i))),
+    instances=tuple((ci, co, v) for ci, i in _V for co in _O for v in (1, vec(i))),
     block=128,
     params=_params(
         "ptr v, i64 v_sn, i64 v_st, i64 v_sh, ptr s, i64 s_sn, i64 s_st, i64 s_sh,"
@@ -159,7 +160,7 @@ EMPTY_ROWS = Kernel(
     instances=tuple(
         (ci, v, rule)
         for ci, i in _V
-        for v in (1, _vec(i))
+        for v in (1, vec(i))
         for rule in (RULE_KV_LENS_ZERO, RULE_CONTEXT_SPAN_EMPTY)
     ),
     block=256,
@@ -186,7 +187,7 @@ CP_PACK_LSE = Kernel(
 CP_COMBINE = Kernel(
     stem="cp_merge",
     name="cp_combine_kernel",
-    instances=tuple((ci, _dtypes.ctype(w), v) for ci, i in _V for w in _dtypes.V_IN for v in (1, _vec(i))),
+    instances=tuple((ci, _dtypes.ctype(w), v) for ci, i in _V for w in _dtypes.V_IN for v in (1, vec(i))),
     block=128,
     params=_params(
         "ptr v, i64 v_st, i64 v_sh, ptr lses, i64 l_sn, ptr wire, ptr olse, i64 ol_st, i64 ol_sh,"

@@ -392,7 +392,7 @@ class _Combine:
         self.a, self.N, self.rank, self.lses_ptr, self.lse_h0 = a, N, rank, lses_ptr, lse_h0
         self.ol = None if out_lse is None else view(out_lse, "out_lse")
         self.nan_empty, self.stream = int(nan_empty), stream
-        vec = 16 // _dtypes.itemsize(vt.dtype)
+        vec = _kernels.vec(vt.dtype)
         if a.D % vec or vt.ptr % 16 or vt.strides[0] % vec or vt.strides[1] % vec:
             vec = 1
         self.vec = vec

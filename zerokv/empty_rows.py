@@ -113,7 +113,7 @@ def _aligned(call: Call) -> bool:
     o = call.facts[0]
     if len(o[1]) != 3 or call.dtypes[0] not in _dtypes.ITEMSIZE:
         return False
-    vec = 16 // _dtypes.ITEMSIZE[call.dtypes[0]]
+    vec = _kernels.vec(call.dtypes[0])
     return not (o[1][2] % vec or o[0] % 16 or o[2][0] % vec or o[2][1] % vec)
 
 
@@ -121,7 +121,8 @@ class _EmptyRowsPlan:
     def __init__(self, call: Call, rule: int, names: tuple[str, ...]) -> None:
         v = _validate(call, rule, names)
         o = v["out"]
-        self.vec = 16 // _dtypes.itemsize(o.dtype) if call.aligned else 1
+        self.vec_max = _kernels.vec(o.dtype)
+        self.vec = self.vec_max if call.aligned else 1
         targs = (_dtypes.ctype(o.dtype), self.vec, rule)
         self.launch = _plans.launcher(_kernels.EMPTY_ROWS, targs, v["device"])
         self.grid = _BLOCKS_PER_SM * _runtime.sm_count(v["device"])
@@ -168,8 +169,8 @@ class _EmptyRowsPlan:
                 or (H > 1 and (sto[1] == 0 or stl[1] == 0))
             ):
                 return False
-            vec = self.vec
-            if vec > 1 and (po & 15 or (sto[0] | sto[1] | D) & (vec - 1)):
+            w = self.vec_max  # only calls of this plan's alignment (see merge's plans)
+            if (self.vec > 1) == bool(po & 15 or (sto[0] | sto[1] | D) & (w - 1)):
                 return False
             if B == 0 or T == 0 or H == 0:
                 return True

@@ -205,7 +205,7 @@ def _aligned_two(call: Call) -> bool:
     shape = va[1]
     if len(shape) != 3:
         return False
-    vec = 16 // _dtypes.ITEMSIZE[call.dtypes[0]] if call.dtypes[0] in _dtypes.ITEMSIZE else 1
+    vec = _kernels.vec(call.dtypes[0]) if call.dtypes[0] in _dtypes.ITEMSIZE else 1
     if shape[2] % vec:
         return False
     for x in (va, vb):
@@ -226,12 +226,17 @@ class _MergePlan:
     flat: list | None = None  # [large, small] launchers, loaded by the first call of each
     flat_targs: tuple | None = None
 
+    # The fast paths' short keys do not hold the layout, so each plan's fast path takes only
+    # calls of its own alignment: an unaligned call does not leave the aligned calls after it
+    # on a plan without vector accesses (the validating path finds and remembers theirs).
+
     def _setup(
         self, call: Call, device: int, in_dtype: str, out_dtype: str, vec: int, allocate_lse: bool
     ) -> None:
         self.device = device
         self.sms = _runtime.sm_count(device)
-        self.vec = vec
+        self.vec = vec  # vec_max when the signature is aligned, else 1
+        self.vec_max = _kernels.vec(in_dtype)
         self.out_dtype = out_dtype
         self.allocate_lse = allocate_lse
         self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
@@ -288,7 +293,7 @@ class _MergeTwoPlan(_MergePlan):
         v = _validate_two(call, prefix_rows, names)  # the first call of a signature: every check
         va, o = v["va"], v["out"]
         out_dtype = o.dtype if o is not None else va.dtype
-        vec = 16 // _dtypes.itemsize(va.dtype) if call.aligned else 1
+        vec = _kernels.vec(va.dtype) if call.aligned else 1
         targs = (_dtypes.ctype(va.dtype), _dtypes.ctype(out_dtype), vec)
         self.targs = targs  # (in, out, vec); the packs per thread come with the geometry
         # the kernel with a_empty / mask / sinks / fp8-scale code only when the signature has one
@@ -348,10 +353,11 @@ class _MergeTwoPlan(_MergePlan):
                 return None
             sta, stb, ssa, ssb = v_a.stride(), v_b.stride(), s_a.stride(), s_b.stride()
             pa, pb, psa, psb = v_a.data_ptr(), v_b.data_ptr(), s_a.data_ptr(), s_b.data_ptr()
-            vec = self.vec
             if D > 1 and (sta[2] != 1 or stb[2] != 1):
                 return None
-            if vec > 1 and ((pa | pb) & 15 or (sta[0] | sta[1] | stb[0] | stb[1] | D) & (vec - 1)):
+            w, vectorised = self.vec_max, self.vec > 1
+            aligned = not ((pa | pb) & 15 or (sta[0] | sta[1] | stb[0] | stb[1] | D) & (w - 1))
+            if vectorised and not aligned:
                 return None
             if prefix_rows is not None and (type(prefix_rows) is not int or not 0 <= prefix_rows <= T):
                 return None
@@ -361,7 +367,9 @@ class _MergeTwoPlan(_MergePlan):
             end_b = pb + ((T - 1) * stb[0] + (H - 1) * stb[1] + D) * isz
             end_sa = psa + ((T - 1) * ssa[0] + (H - 1) * ssa[1] + 1) * 4
             end_sb = psb + ((T - 1) * ssb[0] + (H - 1) * ssb[1] + 1) * 4
-            if out is None:
+            if out is None:  # allocated: aligned
+                if aligned != vectorised:
+                    return None
                 out = self.empty(sha, dtype=self.t_out, device=v_a.device)
                 po, sto = out.data_ptr(), (H * D, D, 1)
                 end_o = po
@@ -371,7 +379,9 @@ class _MergeTwoPlan(_MergePlan):
                 po, sto = out.data_ptr(), out.stride()
                 if (D > 1 and sto[2] != 1) or (T > 1 and sto[0] == 0) or (H > 1 and sto[1] == 0):
                     return None
-                if vec > 1 and (po & (vec * self.out_size - 1) or (sto[0] | sto[1]) & (vec - 1)):
+                if aligned and (po & (w * self.out_size - 1) or (sto[0] | sto[1]) & (w - 1)):
+                    aligned = False
+                if aligned != vectorised:
                     return None
                 end_o = po + ((T - 1) * sto[0] + (H - 1) * sto[1] + D) * self.out_size
                 same = self.t_in is self.t_out
@@ -607,7 +617,7 @@ def _aligned_n(call: Call) -> bool:
     v, out = call.facts[0], call.facts[2]
     if len(v[1]) != 4 or call.dtypes[0] not in _dtypes.ITEMSIZE:
         return False
-    vec = 16 // _dtypes.ITEMSIZE[call.dtypes[0]]
+    vec = _kernels.vec(call.dtypes[0])
     if v[1][3] % vec or v[0] % 16 or any(st % vec for st in v[2][:3]):
         return False
     if out is not None:
@@ -622,7 +632,7 @@ class _MergeNPlan(_MergePlan):
         v = _validate_n(call)
         vt, o = v["v"], v["out"]
         out_dtype = o.dtype if o is not None else vt.dtype
-        vec = 16 // _dtypes.itemsize(vt.dtype) if call.aligned else 1
+        vec = _kernels.vec(vt.dtype) if call.aligned else 1
         targs = (_dtypes.ctype(vt.dtype), _dtypes.ctype(out_dtype), vec)
         self.launch = _plans.launcher(_kernels.MERGE_STATES, targs, v["device"])
         self.block = _kernels.MERGE_STATES.block
@@ -647,22 +657,24 @@ class _MergeNPlan(_MergePlan):
             N, T, H, D = v.shape
             if s.shape != (N, T, H) or N == 0 or T == 0 or H == 0 or T >= 2**31:
                 return None
+            stv, pv = v.stride(), v.data_ptr()
+            w, vectorised = self.vec_max, self.vec > 1
+            aligned = not (pv & 15 or (stv[0] | stv[1] | stv[2] | D) & (w - 1))
             if out is None:  # allocated: contiguous, aligned, apart from the inputs
+                if aligned != vectorised:
+                    return None
                 out = self.empty((T, H, D), dtype=self.t_out, device=v.device)
                 if out_lse is None and self.allocate_lse:
                     out_lse = self.empty((T, H), dtype=f32, device=v.device)
             elif out.get_device() != dev or out.requires_grad or out.is_inference() or out.shape != (T, H, D):
                 return None
-            stv, sts, sto = v.stride(), s.stride(), out.stride()
-            pv, ps, po = v.data_ptr(), s.data_ptr(), out.data_ptr()
+            sts, sto = s.stride(), out.stride()
+            ps, po = s.data_ptr(), out.data_ptr()
             if (D > 1 and (stv[3] != 1 or sto[2] != 1)) or (T > 1 and sto[0] == 0) or (H > 1 and sto[1] == 0):
                 return None
-            vec = self.vec
-            if vec > 1 and (
-                (pv & 15)
-                or po & (vec * self.out_size - 1)
-                or (stv[0] | stv[1] | stv[2] | sto[0] | sto[1] | D) & (vec - 1)
-            ):
+            if aligned and (po & (w * self.out_size - 1) or (sto[0] | sto[1]) & (w - 1)):
+                aligned = False
+            if aligned != vectorised:
                 return None
             end_v = pv + ((N - 1) * stv[0] + (T - 1) * stv[1] + (H - 1) * stv[2] + D) * self.in_size
             end_s = ps + ((N - 1) * sts[0] + (T - 1) * sts[1] + (H - 1) * sts[2] + 1) * 4
@@ -694,7 +706,7 @@ class _MergeNPlan(_MergePlan):
             and self.launch_two(_runtime.torch_stream(dev), T, H, D, pv, stv, ps, sts, po, sto, pl, stl)
         ):
             return out, out_lse
-        lanes = _lanes_n(D // vec, T * H, self.sms)
+        lanes = _lanes_n(D // self.vec, T * H, self.sms)
         self.launch(
             -(-T * H * lanes // self.block), _runtime.torch_stream(dev),
             pv, stv[0], stv[1], stv[2], ps, sts[0], sts[1], sts[2], po, sto[0], sto[1],
