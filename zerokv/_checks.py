@@ -120,6 +120,11 @@ def sinks(x: Any, arg: str, H: int, device: int) -> Tensor:
     return s
 
 
+_LOG2E = 1.4426950408889634
+# lse_base's answer -> (k, 1 / k): the kernels take base^x as exp2(x * k)
+LSE_BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
+
+
 def lse_base(value: Any, arg: str = "lse_base") -> str:
     """'e' (natural log) or '2' (base-2 LSE, as FlashInfer / trtllm-gen produce)."""
     if isinstance(value, str) and value in ("e", "E", "2"):

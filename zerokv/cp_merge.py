@@ -10,7 +10,7 @@ take the same steps in float64 on the host.
 
 from __future__ import annotations
 
-import math
+import functools
 import sys
 from typing import Any, NamedTuple
 
@@ -19,8 +19,6 @@ import numpy as np
 from . import _checks, _dtypes, _host, _kernels, _plans, _runtime
 from ._tensors import Tensor, view
 
-_LOG2E = math.log2(math.e)
-_BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
 _SCATTER = ("heads", "none")
 _WARP_THREADS = 32
 
@@ -98,8 +96,6 @@ class _Args(NamedTuple):
 
     v: Tensor
     s: Tensor
-    out: Tensor | None
-    out_lse: Tensor | None
     sinks: Tensor | None
     scale: Tensor | None
     seq_lens: Tensor | None
@@ -252,7 +248,7 @@ def _validate(
     ins += [(nm, x) for nm, x in ((n("sinks"), sk), (n("out_scale"), scale)) if x is not None]
     ins += [(nm, x) for nm, x in ((n("seq_lens"), sl), (n("query_start_loc"), q)) if x is not None]
     _checks.outputs([(n("out"), o, ()), (n("out_lse"), ol, ())], ins)
-    return _Args(vt, st, o, ol, sk, scale, sl, q, T, H, D, Hn, wire, out_dtype, base, device)
+    return _Args(vt, st, sk, scale, sl, q, T, H, D, Hn, wire, out_dtype, base, device)
 
 
 def _view(torch: Any, x: Any, arg: str) -> Tensor:
@@ -264,6 +260,7 @@ def _view(torch: Any, x: Any, arg: str) -> Tensor:
 # --- CUDA: the collectives through torch.distributed, the kernels on the current stream --------
 
 
+@functools.cache
 def _collectives(torch: Any) -> tuple[Any, Any, Any]:
     """all-gather into one tensor, reduce-scatter from one tensor (their names moved in torch
     2.13) and all-reduce, each ``(..., group=)``."""
@@ -305,7 +302,6 @@ def _device_combine(torch, pg, N, rank, scatter, a: _Args, v, s, out, out_lse, n
     wire_t = getattr(torch, a.wire)
     if scatter == "none":
         buf = out if direct else torch.empty((T, H, D), dtype=wire_t, device=v.device)
-        red = buf.view(-1)
     elif direct and N == 1:
         buf = red = out.view(-1)
     else:
@@ -337,12 +333,12 @@ def _device_combine(torch, pg, N, rank, scatter, a: _Args, v, s, out, out_lse, n
             else:
                 work = reduce_scatter(red_c, wire_c, group=pg, async_op=overlap)
         waiting.append((work, red_c, t0, t1))
-        if overlap and not direct and len(waiting) > 1:  # convert the previous chunk meanwhile
+        if overlap and len(waiting) > 1:  # convert the previous chunk meanwhile
             w, r, a0, a1 = waiting.pop(0)
             w.wait()
             _finalize(a, r, o, a0, a1, cap, stream)
-    for w, r, a0, a1 in waiting:
-        if w is not None and overlap:
+    for w, r, a0, a1 in waiting:  # chunks only with N > 1 and a conversion (_chunks)
+        if overlap:
             w.wait()
         if not direct:
             _finalize(a, r, o, a0, a1, cap, stream)
@@ -408,7 +404,7 @@ class _Combine:
         tile, blocks = _tiles(rows, _kernels.CP_COMBINE.block)
         if cap:
             blocks = max(1, min(blocks, cap // _kernels.CP_COMBINE.block))
-        k, inv_k = _BASES[a.base]
+        k, inv_k = _checks.LSE_BASES[a.base]
         launch = _plans.launcher(
             _kernels.CP_COMBINE, (_dtypes.ctype(vt.dtype), _dtypes.ctype(a.wire), vec), a.device
         )
@@ -514,7 +510,7 @@ def _host_combine(torch, pg, N, rank, n, scatter, return_lse, validate, out, out
     vv = _host.to_f64(a.v)
     f3 = f[..., None]
     with np.errstate(invalid="ignore", over="ignore"):
-        part = np.where(np.isnan(f3), np.nan, np.where(f3 > 0, f3 * np.where(f3 > 0, vv, 0.0), 0.0))
+        part = f3 * np.where(f3 > 0, vv, 0.0)  # an empty share's V never used; a NaN share stays NaN
     if scatter == "none":
         total = torch.from_numpy(np.ascontiguousarray(part))
         if N > 1:

@@ -239,7 +239,7 @@ class _MergePlan:
         self.vec_max = _kernels.vec(in_dtype)
         self.out_dtype = out_dtype
         self.allocate_lse = allocate_lse
-        self.k, self.inv_k = _BASES[_checks.lse_base(call.scalars[0])]
+        self.k, self.inv_k = _checks.LSE_BASES[_checks.lse_base(call.scalars[0])]
         self.itemsizes = [None if d is None else _dtypes.ITEMSIZE.get(d) for d in call.dtypes]
         self.in_size, self.out_size = _dtypes.itemsize(in_dtype), _dtypes.itemsize(out_dtype)
         if call.is_torch:
@@ -768,9 +768,6 @@ def _fast_checks_n(f: list) -> bool:
 
 
 # --- geometry -----------------------------------------------------------------------------------
-
-_LOG2E = 1.4426950408889634
-_BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
 
 
 _ROW_GROUP_MAX = 128  # lanes of a row group at most: one block (kernels_cu/merge.cu)
