@@ -38,7 +38,9 @@ __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float i
 // Folds an attention sink into a row's LSE; returns the factor its V is multiplied by.
 __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, float inv_k) {
   if (sink == neg_inf() || isnan(lse)) return 1.f;
-  if (lse == neg_inf()) {  // no keys at all: the sink takes all the weight, V is 0
+  // no keys at all, or a sink of +inf (-inf returned above; m - m would be NaN below): the
+  // sink takes all the weight, V is 0 (as the reference and cp_merge)
+  if (lse == neg_inf() || isinf(sink)) {
     lse = sink;
     return 0.f;
   }

@@ -24,6 +24,23 @@ def test_reference_matches_logaddexp_formula():
     np.testing.assert_allclose(out, wa * v_a + wb * v_b, rtol=1e-10, atol=1e-12)
 
 
+def test_reference_sinks_match_logaddexp_formula():
+    """``S' = logaddexp(S, sink)``, ``out *= exp(S - S')``; a sink of -inf changes nothing, one
+    of +inf takes all the weight (0, +inf); a row with no keys gets (0, sink)."""
+    rng = np.random.default_rng(3)
+    out, lse = rng.standard_normal((5, 4, 6)), rng.standard_normal((5, 4)) * 3
+    lse[0] = -np.inf  # no keys
+    sinks = np.array([1.5, -np.inf, np.inf, -0.7])
+    got_out, got_lse = reference.apply_sinks(out, lse, sinks)
+    for h in (0, 3):
+        new = np.logaddexp(lse[1:, h], sinks[h])
+        np.testing.assert_allclose(got_lse[1:, h], new, rtol=1e-12)
+        np.testing.assert_allclose(got_out[1:, h], out[1:, h] * np.exp(lse[1:, h] - new)[:, None], rtol=1e-12)
+        assert got_lse[0, h] == sinks[h] and (got_out[0, h] == 0).all()
+    assert np.array_equal(got_lse[1:, 1], lse[1:, 1]) and np.array_equal(got_out[1:, 1], out[1:, 1])
+    assert (got_lse[:, 2] == np.inf).all() and (got_out[:, 2] == 0).all()
+
+
 def test_max_error_counts_misplaced_nan_and_inf_as_infinite():
     e = np.array([1.0, -np.inf, np.nan, 2.0])
     assert reference.max_error(e + np.array([0.25, 0, 0, -0.5]), e) == 0.5
@@ -223,6 +240,30 @@ def test_kernel_matches_reference(dtype, T, H, D):
     res = zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
     assert res[0] is out and res[1] is lse
     _compare(out, lse, v_a, s_a, v_b, s_b, dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("base", ["e", 2])
+@pytest.mark.parametrize("op", ["merge_state", "merge_states"])
+def test_sinks_match_the_reference(device, base, op):
+    """Sinks of every kind (finite, -inf, +inf) over states with every edge (empty, both
+    empty, NaN, a huge gap): the kernels' fold of the sink against the float64 reference."""
+    T, H, D = 300, 8, 128
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, device, seed=11)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(4)) * 3
+    sinks[0], sinks[1] = -INF, INF
+    sinks = sinks.to(device)
+    if op == "merge_state":
+        out, lse = zerokv.merge_state(v_a, s_a, v_b, s_b, lse_base=base, sinks=sinks)
+        ref_out, ref_lse = reference.merge_state(
+            *(f64(x) for x in (v_a, s_a, v_b, s_b)), lse_base=base, sinks=f64(sinks)
+        )
+    else:
+        v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
+        out, lse = zerokv.merge_states(v, s, lse_base=base, sinks=sinks)
+        ref_out, ref_lse = reference.merge_states(f64(v), f64(s), base, f64(sinks))
+    assert_close(out, ref_out, torch.bfloat16, "out")
+    assert_close(lse, ref_lse, torch.float32, "lse")
 
 
 @pytest.mark.gpu
