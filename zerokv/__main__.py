@@ -40,32 +40,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compile_command(archs: list[str], verbose: bool, cache: bool) -> int:
-    from . import _kernels, _offline
+    from . import _offline
 
     try:  # every name first, before anything is compiled
         for arch in archs or ["(none)"]:
             _offline.check_arch(arch)
-        _offline.nvrtc_version()
+        major, minor = _offline.nvrtc_version()
     except (_offline.ArchError, ImportError) as e:
         print(f"python -m zerokv compile: {e}", file=sys.stderr)
         return 2
-    major, minor = _offline.nvrtc_version()
     failures = 0
     for arch in archs:
         total, cached, start = 0, 0, time.perf_counter()
-        for stem, exprs in _kernels.instantiations().items():
-            try:
-                results = _offline.compile_stem(stem, arch, cache=cache)
-            except _offline.CompileError as e:
-                failures += len(e.failing)
-                print(e.summary())
+        for stem, results in _offline.compile_arch(arch, cache=cache):
+            if isinstance(results, _offline.CompileError):
+                failures += len(results.failing)
+                print(results.summary())
                 if verbose:
-                    print(e.log)
+                    print(results.log)
                 continue
             total += len(results)
             cached += sum(r.cached for r in results)
-            how = "from the cache" if results and results[0].cached else f"{results[0].seconds:.2f} s"
-            print(f"{arch:7s} {stem:12s} {len(exprs):4d} instantiations  {how}")
+            how = "from the cache" if results[0].cached else f"{results[0].seconds:.2f} s"
+            print(f"{arch:7s} {stem:12s} {len(results):4d} instantiations  {how}")
             if verbose:
                 for r in results:
                     print(f"    {r.expression:60s} {r.lowered_name}")

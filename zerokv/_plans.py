@@ -30,9 +30,7 @@ def lookup(key: Any, build: Callable[[], Any]) -> Any:
             plan = _plans.get(key)
             if plan is None:
                 plan = build()
-                if len(_plans) >= LIMIT:
-                    _plans.clear()
-                _plans[key] = plan
+                remember(key, plan)
     return plan
 
 
@@ -42,7 +40,8 @@ def find(key: Any) -> Any:
 
 
 def remember(key: Any, plan: Any) -> None:
-    """Store ``plan`` under a second key too (a fast path's shorter signature)."""
+    """Store ``plan`` under ``key`` (also a fast path's shorter signature for a plan built
+    under its full one); past LIMIT entries the table starts again."""
     with _lock:
         if len(_plans) >= LIMIT:
             _plans.clear()

@@ -132,8 +132,18 @@ def import_cupy() -> Any:
 
 
 @cache
+def properties(device: int) -> dict[str, Any]:
+    """CUDA's device properties (queried once per device: a slow call)."""
+    return import_cupy().cuda.runtime.getDeviceProperties(device)
+
+
+def device_name(device: int) -> str:
+    name = properties(device)["name"]
+    return name.decode() if isinstance(name, bytes) else name
+
+
 def capability(device: int) -> tuple[int, int]:
-    props = import_cupy().cuda.runtime.getDeviceProperties(device)
+    props = properties(device)
     return int(props["major"]), int(props["minor"])
 
 
@@ -141,8 +151,7 @@ def check_device(device: int) -> None:
     """A clear error for GPUs older than sm_80, before anything is compiled for them."""
     cap = capability(device)
     if cap < MIN_CAPABILITY:
-        name = import_cupy().cuda.runtime.getDeviceProperties(device)["name"]
-        name = name.decode() if isinstance(name, bytes) else name
+        name = device_name(device)
         raise RuntimeError(
             f"zerokv: cuda:{device} ({name}) has compute capability {cap[0]}.{cap[1]}; "
             "zerokv needs 8.0 or newer (A100, A10/L4, L40, H100/H200, B200, RTX 30xx and later)"
@@ -162,13 +171,12 @@ def cupy_stream(device: int) -> int:
 
 @cache
 def l2_bytes(device: int) -> int:
-    return int(import_cupy().cuda.runtime.getDeviceProperties(device)["l2CacheSize"])
+    return int(properties(device)["l2CacheSize"])
 
 
 @cache
 def sm_count(device: int) -> int:
-    cupy = import_cupy()
-    return int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+    return int(properties(device)["multiProcessorCount"])
 
 
 # --- launch -----------------------------------------------------------------------------------

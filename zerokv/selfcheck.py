@@ -42,11 +42,16 @@ HEADER = f"{'op':22s} {'dtype':15s} {'shape':16s} {'max error':>10s} {'limit':>8
 
 
 def gpu_available() -> bool:
+    from . import _cache
+
+    _cache.check_cupy_cache_dir()  # a cache directory that cannot be made: an error, not "no GPU"
     try:
         import cupy
-
+    except ImportError:
+        return False
+    try:
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:
+    except cupy.cuda.runtime.CUDARuntimeError:  # no device or no driver
         return False
 
 
@@ -237,7 +242,7 @@ def _fp8_row(va, sa, vb, sb, timed, f64) -> Row:
 
 def offline_compile() -> tuple[str, bool]:
     """Compile every instantiation for OFFLINE_ARCHS (cached); (what to print, passed)."""
-    from . import _kernels, _offline
+    from . import _offline
 
     start = time.perf_counter()
     try:
@@ -248,11 +253,9 @@ def offline_compile() -> tuple[str, bool]:
         return f"offline compile skipped: {e}", True
     total, cached, failed = 0, 0, []
     for arch in OFFLINE_ARCHS:
-        for stem in _kernels.instantiations():
-            try:
-                results = _offline.compile_stem(stem, arch)
-            except _offline.CompileError as e:
-                failed.append(e.summary())
+        for _, results in _offline.compile_arch(arch):
+            if isinstance(results, _offline.CompileError):
+                failed.append(results.summary())
                 continue
             total += len(results)
             cached += sum(r.cached for r in results)
@@ -278,11 +281,10 @@ def main() -> int:
     print(HEADER)
     print("\n".join(str(r) for r in rows))
     if gpu_available():
-        import cupy
+        from . import _runtime
 
-        props = cupy.cuda.runtime.getDeviceProperties(0)
-        name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-        print(f"\nGPU: {name} (sm_{props['major']}{props['minor']}); GB/s: 1e9 bytes read + written")
+        major, minor = _runtime.capability(0)
+        print(f"\nGPU: {_runtime.device_name(0)} (sm_{major}{minor}); GB/s: 1e9 bytes read + written")
         t = time.perf_counter()
         gpu_rows = run_gpu()
         print(HEADER)
