@@ -77,15 +77,21 @@ def index_tensor(x: Any, arg: str, length: int | None, device: int) -> Tensor:
     return t
 
 
+def offsets(x: Any, arg: str, device: int) -> Tensor:
+    """Query offsets ``[B + 1]`` (at least one entry) for a batch of B requests."""
+    c = index_tensor(x, arg, None, device)
+    if c.shape[0] < 1:
+        raise ValueError(f"{arg}: expected B + 1 >= 1 entries, got 0")
+    return c
+
+
 def offsets_pair(cu: Any, lens: Any, arg: str, device: int, n_cu: str, n_lens: str) -> tuple[Tensor, Tensor]:
     """``(cu_seqlens_q [B + 1], kv_lens [B])``, one index dtype, on the states' device;
     ``n_cu``/``n_lens``: how the caller calls the two."""
     if cu is None or lens is None:
         missing = n_cu if cu is None else n_lens
         raise ValueError(f"{arg}: both {n_cu} and {n_lens} are needed; {missing} is None")
-    c = index_tensor(cu, n_cu, None, device)
-    if c.shape[0] < 1:
-        raise ValueError(f"{n_cu}: expected B + 1 >= 1 entries, got 0")
+    c = offsets(cu, n_cu, device)
     ln = index_tensor(lens, n_lens, c.shape[0] - 1, device)
     if ln.dtype != c.dtype:
         raise TypeError(

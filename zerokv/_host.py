@@ -66,14 +66,9 @@ def _outputs(out, o, out_lse, ol, like, shape, allocate_lse):
 def empty_rows(v: dict, rule_offsets: bool) -> None:
     """fixup (``rule_offsets=False``: ``lens`` are kv lengths) or mask (context offsets)."""
     o, s, cu, lens = v["out"], v["lse"], to_f64(v["cu"]), to_f64(v["lens"])
-    T = o.shape[0]
-    if rule_offsets:
-        res, new_lse = reference.mask_empty_context(to_f64(o), to_f64(s), cu, lens)
-        empty = np.diff(lens) <= 0
-    else:
-        res, new_lse = reference.fixup_zero_kv_rows(to_f64(o), to_f64(s), lens, cu)
-        empty = lens == 0
-    rows = reference.rows_of_requests(cu, empty, T)
+    empty = reference.empty_context_requests(lens) if rule_offsets else reference.zero_kv_requests(lens)
+    rows = reference.rows_of_requests(cu, empty, o.shape[0])
+    res, new_lse = reference.write_empty_rows(to_f64(o), to_f64(s), rows)
     write(o, res, rows)
     write(s, new_lse, rows)
 

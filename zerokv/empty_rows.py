@@ -96,9 +96,7 @@ def _validate(call: Call, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
     s = _checks.tensor(t[n_lse], n_lse, 2, _dtypes.LSE)
     _checks.shape(s, n_lse, (T, H), "T, H")
     device = _checks.same_device([(n_out, o), (n_lse, s)])
-    c = _checks.index_tensor(t[n_cu], n_cu, None, device)
-    if c.shape[0] < 1:
-        raise ValueError(f"{n_cu}: expected B + 1 >= 1 entries, got 0")
+    c = _checks.offsets(t[n_cu], n_cu, device)
     B = c.shape[0] - 1
     ln = _checks.index_tensor(
         t[n_lens], n_lens, B + 1 if rule == _kernels.RULE_CONTEXT_SPAN_EMPTY else B, device
@@ -137,8 +135,9 @@ class _EmptyRowsPlan:
             self.t_out, self.t_f32 = (getattr(sys.modules["torch"], d) for d in (o.dtype, "float32"))
 
     def blocks(self, T: int, H: int, D: int) -> int:
-        """A full-occupancy persistent grid, or fewer blocks when even every row empty would
-        not give each thread one store (small batches: less to launch, the same scan)."""
+        """A persistent grid of _BLOCKS_PER_SM blocks per SM, or fewer when even every row
+        empty would not give each thread one store (small batches: less to launch, the same
+        scan)."""
         return min(self.grid, -(-T * H * max(1, D // self.vec) // _kernels.EMPTY_ROWS.block))
 
     def torch_call(self, out: Any, lse: Any, cu: Any, lens: Any) -> bool:

@@ -140,17 +140,27 @@ def write_empty_rows(out: np.ndarray, lse: np.ndarray, rows: np.ndarray) -> tupl
     return out, lse
 
 
+def zero_kv_requests(kv_lens) -> np.ndarray:
+    """fixup's rule: request i is empty when ``kv_lens[i] == 0``."""
+    return np.asarray(kv_lens) == 0
+
+
+def empty_context_requests(cu_seqlens_kv) -> np.ndarray:
+    """mask's rule: request i is empty when its context span ``[cu_kv[i], cu_kv[i+1])`` is
+    (``cu_kv[i+1] <= cu_kv[i]``)."""
+    return np.diff(np.asarray(cu_seqlens_kv, dtype=np.int64)) <= 0
+
+
 def fixup_zero_kv_rows(out, lse, kv_lens, cu_seqlens_q) -> tuple[np.ndarray, np.ndarray]:
     """Rows of requests with ``kv_lens[i] == 0`` become (0, -inf); the rest are unchanged."""
-    rows = rows_of_requests(cu_seqlens_q, np.asarray(kv_lens) == 0, np.shape(lse)[0])
+    rows = rows_of_requests(cu_seqlens_q, zero_kv_requests(kv_lens), np.shape(lse)[0])
     return write_empty_rows(out, lse, rows)
 
 
 def mask_empty_context(out, lse, cu_seqlens_q, cu_seqlens_kv) -> tuple[np.ndarray, np.ndarray]:
-    """Rows of requests whose context span ``[cu_kv[i], cu_kv[i+1])`` is empty
-    (``cu_kv[i+1] <= cu_kv[i]``) become (0, -inf)."""
-    empty = np.diff(np.asarray(cu_seqlens_kv, dtype=np.int64)) <= 0
-    rows = rows_of_requests(cu_seqlens_q, empty, np.shape(lse)[0])
+    """Rows of requests whose context span is empty (:func:`empty_context_requests`) become
+    (0, -inf)."""
+    rows = rows_of_requests(cu_seqlens_q, empty_context_requests(cu_seqlens_kv), np.shape(lse)[0])
     return write_empty_rows(out, lse, rows)
 
 
