@@ -42,7 +42,7 @@ def broken_fp8(tmp_path, monkeypatch):
     assert BROKEN in text
     header.write_text(text.replace(BROKEN, BREAK))
     monkeypatch.setattr(_runtime, "kernel_dir", lambda: copy)
-    monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: {"merge": list(TWO)})
+    monkeypatch.setattr(_kernels, "instantiations", lambda: {"merge": list(TWO)})
     return copy
 
 
@@ -158,7 +158,7 @@ def test_an_error_outside_templates_is_one_line_for_every_instantiation(tmp_path
 
 def test_second_compile_comes_from_the_cache(cache_dir, monkeypatch):
     exprs = _kernels.instantiations()["empty_rows"][:2]
-    monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: {"empty_rows": exprs})
+    monkeypatch.setattr(_kernels, "instantiations", lambda: {"empty_rows": exprs})
     first = _offline.compile_stem("empty_rows", "sm_86")
     assert not any(r.cached for r in first)
 
@@ -177,7 +177,7 @@ def test_second_compile_comes_from_the_cache(cache_dir, monkeypatch):
 
 def test_an_edited_source_is_compiled_again(cache_dir, monkeypatch, tmp_path):
     exprs = _kernels.instantiations()["empty_rows"][:1]
-    monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: {"empty_rows": exprs})
+    monkeypatch.setattr(_kernels, "instantiations", lambda: {"empty_rows": exprs})
     copy = tmp_path / "kernels_cu"
     shutil.copytree(_runtime.kernel_dir(), copy)
     assert not _offline.compile_stem("empty_rows", "sm_90", directory=copy)[0].cached
@@ -191,7 +191,7 @@ def test_unwritable_cache_warns_once_and_compiles(tmp_path, monkeypatch):
     blocker.write_text("")
     monkeypatch.setenv("ZEROKV_CACHE_DIR", str(blocker / "cache"))  # under a file: never creatable
     exprs = _kernels.instantiations()["empty_rows"][:1]
-    monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: {"empty_rows": exprs})
+    monkeypatch.setattr(_kernels, "instantiations", lambda: {"empty_rows": exprs})
     from zerokv import _cache
 
     monkeypatch.setattr(_cache, "_warned", set())
@@ -213,7 +213,7 @@ def test_selfcheck_cpu_covers_every_op():
 def test_selfcheck_without_a_gpu_reuses_compiled_kernels(cache_dir, monkeypatch, capsys):
     monkeypatch.setattr(selfcheck, "gpu_available", lambda: False)
     exprs = {stem: e[:1] for stem, e in _kernels.instantiations().items()}
-    monkeypatch.setattr(_kernels, "instantiations", lambda kernels=None: exprs)
+    monkeypatch.setattr(_kernels, "instantiations", lambda: exprs)
     n = len(exprs) * len(selfcheck.OFFLINE_ARCHS)
     assert selfcheck.main() == 0
     first = capsys.readouterr().out

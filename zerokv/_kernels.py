@@ -223,10 +223,10 @@ KERNELS: tuple[Kernel, ...] = (
 )
 
 
-def instantiations(kernels: tuple[Kernel, ...] | None = None) -> dict[str, list[str]]:
+def instantiations() -> dict[str, list[str]]:
     """stem -> every name expression of that stem's kernels, in description order."""
     out: dict[str, list[str]] = {}
-    for k in KERNELS if kernels is None else kernels:
+    for k in KERNELS:
         out.setdefault(k.stem, []).extend(k.expressions)
     return out
 

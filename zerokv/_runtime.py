@@ -41,7 +41,7 @@ def kernel_dir() -> Path:
     raise FileNotFoundError(f"zerokv: kernel sources (kernels_cu/) not found near {here}")
 
 
-def source(stem: str, directory: Path | None = None, kernels: tuple[Kernel, ...] | None = None) -> str:
+def source(stem: str, directory: Path | None = None) -> str:
     """The full text of ``<stem>.cu``: block sizes defined, every local header inlined once."""
     directory = directory or kernel_dir()
     seen: set[str] = set()
@@ -54,7 +54,7 @@ def source(stem: str, directory: Path | None = None, kernels: tuple[Kernel, ...]
         text = text.replace("#pragma once\n", "")
         return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
-    head = f"// zerokv: {stem}.cu with headers inlined\n" + _kernels.block_defines(stem, kernels)
+    head = f"// zerokv: {stem}.cu with headers inlined\n" + _kernels.block_defines(stem)
     return head + expand(f"{stem}.cu")
 
 
