@@ -137,6 +137,40 @@ __device__ __forceinline__ void store_pack(T* p, const Pack<T, VEC>& x) {
   }
 }
 
+// store_pack as predicated instructions: no branch for the compiler to build around the store
+// (straight-line code is what small, latency-bound kernels run fastest).
+template <typename T, int VEC>
+__device__ __forceinline__ void store_pack_if(bool pred, T* p, const Pack<T, VEC>& x) {
+  constexpr int B = sizeof(Pack<T, VEC>);
+  const unsigned* w = reinterpret_cast<const unsigned*>(&x);
+  if constexpr (B % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < B / 16; ++i)
+      asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n @q st.global.v4.u32 [%0], {%1, %2, %3, %4};\n}"
+                   ::"l"(reinterpret_cast<char*>(p) + 16 * i), "r"(w[4 * i]), "r"(w[4 * i + 1]), "r"(w[4 * i + 2]),
+                   "r"(w[4 * i + 3]), "r"((int)pred) : "memory");
+  } else if constexpr (B == 8) {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %3, 0;\n @q st.global.v2.u32 [%0], {%1, %2};\n}"
+                 ::"l"(p), "r"(w[0]), "r"(w[1]), "r"((int)pred) : "memory");
+  } else if constexpr (B == 4) {
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.u32 [%0], %1;\n}"
+                 ::"l"(p), "r"(w[0]), "r"((int)pred) : "memory");
+  } else {
+    static_assert(B == 2, "a pack of 2, 4, 8 or 16k bytes");
+    const unsigned short u = *reinterpret_cast<const unsigned short*>(&x);
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.u16 [%0], %1;\n}"
+                 ::"l"(p), "h"(u), "r"((int)pred) : "memory");
+  }
+}
+
+// base[i] = x when pred, as one predicated store. The address is formed as an integer: base may be
+// null when pred is false.
+__device__ __forceinline__ void store_float_if(bool pred, float* base, i64 i, float x) {
+  const unsigned long long a = reinterpret_cast<unsigned long long>(base) + 4ull * (unsigned long long)i;
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.f32 [%0], %1;\n}"
+               ::"l"(a), "f"(x), "r"((int)pred) : "memory");
+}
+
 template <typename T> struct is_fp8 { static constexpr bool value = false; };
 template <> struct is_fp8<zk_fp8_e4m3> { static constexpr bool value = true; };
 

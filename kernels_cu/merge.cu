@@ -17,8 +17,10 @@ struct RowCoef {
   float ca, cb, lse;
 };
 
-// Combine two LSEs; k = log2(base), inv_k = 1 / k. Branch-free (selects only): on the path of
-// every small merge, between the loads and the stores.
+// Combine two LSEs; k = log2(base), inv_k = 1 / k. Selects only: on the path of every small
+// merge, between the loads and the stores. STRAIGHT: the output LSE without a test either, which
+// the compiler would otherwise turn into a branch around the logarithm (k > 0 for every base).
+template <bool STRAIGHT = false>
 __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float inv_k) {
   const bool nan = isnan(la) || isnan(lb);  // a bug upstream: make it visible (NaN * V_a is NaN)
   const bool ea = is_empty_lse(la), eb = is_empty_lse(lb);
@@ -31,7 +33,11 @@ __device__ __forceinline__ RowCoef combine2(float la, float lb, float k, float i
   RowCoef c;
   c.ca = nan ? quiet_nan() : (ea ? 0.f : wa * inv);
   c.cb = nan || eb ? 0.f : wb * inv;
-  c.lse = nan ? quiet_nan() : (sum > 0.f ? m + fast_log2(sum) * inv_k : neg_inf());
+  if constexpr (STRAIGHT) {  // lg2(0) = -inf: both empty give m + -inf = -inf without a test
+    c.lse = nan ? quiet_nan() : m + fast_log2(sum) * inv_k;
+  } else {
+    c.lse = nan ? quiet_nan() : (sum > 0.f ? m + fast_log2(sum) * inv_k : neg_inf());
+  }
   return c;
 }
 
@@ -64,8 +70,8 @@ __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, flo
 // alias v_a or v_b.
 
 template <typename Tin, typename Tout, int VEC>
-__device__ __forceinline__ void store_merged(Tout* dst, const Pack<Tin, VEC>& a, const Pack<Tin, VEC>& b, float ca,
-                                             float cb, float inv_scale) {
+__device__ __forceinline__ Pack<Tout, VEC> merged(const Pack<Tin, VEC>& a, const Pack<Tin, VEC>& b, float ca, float cb,
+                                                  float inv_scale) {
   float acc[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {  // a zero coefficient selects that input away (it may be NaN)
@@ -73,7 +79,13 @@ __device__ __forceinline__ void store_merged(Tout* dst, const Pack<Tin, VEC>& a,
     const float xb = cb != 0.f ? cb * to_float(b.v[j]) : 0.f;
     acc[j] = xa + xb;
   }
-  store_pack<Tout, VEC>(dst, convert_pack<Tout, VEC>(acc, inv_scale));
+  return convert_pack<Tout, VEC>(acc, inv_scale);
+}
+
+template <typename Tin, typename Tout, int VEC>
+__device__ __forceinline__ void store_merged(Tout* dst, const Pack<Tin, VEC>& a, const Pack<Tin, VEC>& b, float ca,
+                                             float cb, float inv_scale) {
+  store_pack<Tout, VEC>(dst, merged<Tin, Tout, VEC>(a, b, ca, cb, inv_scale));
 }
 
 // FULL = 0: a call without a_empty, row mask, sinks or fp8 scale that merge_state_flat_kernel
@@ -181,7 +193,9 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
 // so every parameter load is issued at once and the V loads go out first; a thread past the
 // last row loads row 0 (inside the tensors) and stores nothing. 3-6 % faster on small grids,
 // up to 4 % slower on grids of many waves, which take SMALL = 0 and its early return
-// (bench/NOTES.md).
+// (bench/NOTES.md). In both, nothing branches after the loads either: the stores are
+// predicated instructions, not code a branch jumps over (a branch region there cost up to
+// 0.05 µs of a 1.4 µs call).
 template <typename Tin, typename Tout, int VEC, int SMALL>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_flat_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
@@ -203,13 +217,13 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
   const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + p * VEC));
   const float la = __ldg(sa + (t * sa_st + h * sa_sh));
   const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
-  RowCoef c = combine2(t < prefix_rows ? la : neg_inf(), lb, k, inv_k);
+  RowCoef c = combine2<true>(t < prefix_rows ? la : neg_inf(), lb, k, inv_k);
   const bool verbatim = t >= prefix_rows && suffix_verbatim;
   c.ca = verbatim ? 0.f : c.ca;
   c.cb = verbatim ? 1.f : c.cb;
   c.lse = verbatim ? lb : c.lse;
-  if (live) store_merged<Tin, Tout, VEC>(out + (t * out_st + h * out_sh + p * VEC), a, b, c.ca, c.cb, 1.f);
-  if (live && p == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = c.lse;
+  store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + p * VEC), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
+  store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
 }
 
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both
