@@ -19,7 +19,7 @@ import zerokv
 from zerokv import reference
 
 from . import baselines
-from .common import Bench, Row, Sets, Task, max_error, to_np, written_bytes
+from .common import Bench, Entry, Row, Sets, Task, max_error, measure_together, to_np, written_bytes
 
 NAN = float("nan")
 
@@ -139,7 +139,5 @@ def run(op: str, lay: Layout, E: int, b: Bench) -> list[Row]:
         return max(max_error(to_np(out[idx_t]), want_o), max_error(to_np(lse[idx_t]), want_l))
 
     params = {"empty_rows": E, "requests": B, "rows_per_request": R}
-    return [
-        b.measure(op, name, fn, sets, nbytes, check, dtype="bf16", T=T, H=H, D=D, params=dict(params))
-        for name, fn in OPS[op]
-    ]
+    entries = [Entry(name, fn, sets, check, dict(params)) for name, fn in OPS[op]]
+    return measure_together(b, op, entries, nbytes, dtype="bf16", T=T, H=H, D=D)

@@ -23,10 +23,12 @@ from . import baselines
 from .common import (
     DTYPES,
     Bench,
+    Entry,
     Row,
     Sets,
     Task,
     max_error,
+    measure_together,
     merge_bytes,
     sample_rows,
     states_bytes,
@@ -150,15 +152,12 @@ def run_merge_state(dt: str, T: int, H: int, D: int, b: Bench) -> list[Row]:
         ro, rl = want[base]
         return max(max_error(to_np(o[ti, hi]), ro), max_error(to_np(ls[ti, hi]), rl))
 
-    rows = []
-    for name, fn, layouts, base in implementations(b, dt, nbytes):
-        for layout in layouts:
-            params = {"layout": layout} | ({"lse_base": base} if base != "e" else {})
-            check_it = partial(check, layout, base)
-            rows.append(
-                b.measure("merge_state", name, fn, sets[layout], nbytes, check_it, params=params, **fields)
-            )
-    return rows
+    entries = [
+        Entry(name, fn, sets[layout], partial(check, layout, base), {"layout": layout} | ({"lse_base": base} if base != "e" else {}))
+        for name, fn, layouts, base in implementations(b, dt, nbytes)
+        for layout in layouts
+    ]  # fmt: skip
+    return measure_together(b, "merge_state", entries, nbytes, **fields)
 
 
 def _zerokv_merge_states(v, s, out, out_lse):
@@ -192,7 +191,5 @@ def run_merge_states(N: int, T: int, H: int, D: int, b: Bench) -> list[Row]:
     impls = [(ZEROKV, _zerokv_merge_states)]
     if nbytes <= EAGER_MAX_BYTES:
         impls.append((EAGER, baselines.eager_merge_states))
-    return [
-        b.measure("merge_states", name, fn, sets, nbytes, check, params={"N": N}, **fields)
-        for name, fn in impls
-    ]
+    entries = [Entry(name, fn, sets, check, {"N": N}) for name, fn in impls]
+    return measure_together(b, "merge_states", entries, nbytes, **fields)

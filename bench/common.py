@@ -115,6 +115,18 @@ class Timing(NamedTuple):
     note: str = ""
 
 
+@dataclass
+class _Prepared:
+    """A call ready to be timed: its graph of ``n`` calls and what was measured on the way."""
+
+    graph: Any
+    n: int
+    event_us: float
+    stats: dict[str, Any]
+    us: float
+    note: str
+
+
 class CudaTimer:
     """GPU time of a call, two ways, each call on the next input set:
 
@@ -158,6 +170,57 @@ class CudaTimer:
         self.torch.cuda.synchronize()
 
     def time(self, call: Callable[..., Any], sets: Sequence[tuple], nbytes: int = 0) -> Timing:
+        (t,) = self.time_together([(call, sets)])
+        if isinstance(t, Exception):
+            raise t
+        return t
+
+    def time_together(
+        self, items: Sequence[tuple[Callable[..., Any], Sequence[tuple]]]
+    ) -> list[Timing | Exception]:
+        """``time`` for several calls (the implementations of one shape): each is warmed up,
+        event-timed and captured, then the graphs are replayed in turn, round after round, and
+        each call's figure is the median of its rounds. A GPU's clocks and caches drift over a
+        run by more than the gaps between small kernels; interleaved, the drift falls on every
+        implementation alike. A call that fails gives its exception in its place."""
+        torch = self.torch
+        prepared: list[_Prepared | Exception] = []
+        for call, sets in items:
+            try:
+                prepared.append(self._prepare(call, sets))
+            except Exception as e:  # one implementation failing must not stop the others
+                torch.cuda.synchronize()
+                prepared.append(e)
+        live = [p for p in prepared if isinstance(p, _Prepared) and p.graph is not None]
+        if live:
+            per_round = sum(p.n * p.event_us for p in live)
+            rounds = int(min(self.max_replays, max(3, self.budget_us / 2 / max(per_round, 1.0))))
+            for p in live:
+                p.graph.replay()  # the first replay uploads the graph
+            torch.cuda.synchronize()
+            marks = [[(self._event(), self._event()) for _ in range(rounds)] for _ in live]
+            self._spin(30.0 * rounds * len(live) + 50.0)
+            for r in range(rounds):
+                for p, m in zip(live, marks, strict=True):
+                    m[r][0].record()
+                    p.graph.replay()
+                    m[r][1].record()
+            torch.cuda.synchronize()
+            for p, m in zip(live, marks, strict=True):
+                per_call = [a.elapsed_time(b) * 1e3 / p.n for a, b in m]
+                p.stats.update(
+                    graph_calls=p.n, replays=rounds, interleaved_with=len(live) - 1,
+                    replay_spread_us=[min(per_call), max(per_call)],
+                )  # fmt: skip
+                p.us = statistics.median(per_call)
+                p.graph = None
+        return [
+            p if isinstance(p, Exception) else Timing(p.us, p.event_us, p.stats, p.note) for p in prepared
+        ]
+
+    def _prepare(self, call: Callable[..., Any], sets: Sequence[tuple]) -> _Prepared:
+        """Warm-up, the event time of one eager call and the graph of ``n`` calls (None, with a
+        note, when the call cannot be captured: then the event time is its figure)."""
         torch = self.torch
         K = len(sets)
         k = 0  # the rotation runs on through warm-up, events and the graph
@@ -204,21 +267,10 @@ class CudaTimer:
         except Exception as e:  # an op that syncs or allocates outside torch: events only
             torch.cuda.synchronize()
             stats["timed_by"] = "events"
-            return Timing(event_us, event_us, stats, f"graph capture failed: {type(e).__name__}: {e}"[:200])
-        graph.replay()  # the first replay uploads the graph
-        torch.cuda.synchronize()
-        replays = int(min(self.max_replays, max(3, self.budget_us / 2 / max(n * event_us, 1.0))))
-        marks = [self._event() for _ in range(replays + 1)]
-        self._spin(30.0 * replays + 50.0)
-        marks[0].record()
-        for m in marks[1:]:
-            graph.replay()
-            m.record()
-        marks[-1].synchronize()
-        per_call = [a.elapsed_time(b) * 1e3 / n for a, b in zip(marks, marks[1:], strict=False)]
-        del graph
-        stats.update(graph_calls=n, replays=replays, replay_spread_us=[min(per_call), max(per_call)])
-        return Timing(statistics.median(per_call), event_us, stats)
+            return _Prepared(
+                None, n, event_us, stats, event_us, f"graph capture failed: {type(e).__name__}: {e}"[:200]
+            )
+        return _Prepared(graph, n, event_us, stats, event_us, "")
 
     def _capture(self, call: Callable[..., Any], todo: list[tuple]) -> Any:
         """One CUDA graph of ``call`` over ``todo``. Captured on a side stream by hand:
@@ -257,6 +309,17 @@ class FakeTimer:
             call(*s)
         us = 2.0 + nbytes / 3.0e3
         return Timing(us, us + 1.5, {"sets": len(sets), "timed_by": "fake"})
+
+    def time_together(
+        self, items: Sequence[tuple[Callable[..., Any], Sequence[tuple]]]
+    ) -> list[Timing | Exception]:
+        out: list[Timing | Exception] = []
+        for call, sets in items:
+            try:
+                out.append(self.time(call, sets))
+            except Exception as e:
+                out.append(e)
+        return out
 
 
 class Bench:
@@ -321,6 +384,53 @@ class Bench:
         row = self.row(op, impl, nbytes, t.us, event_us=t.event_us, max_err=err, stats=t.stats, **fields)
         row.note = t.note
         return row
+
+
+class Entry(NamedTuple):
+    """One implementation of a shape for ``Bench.measure_together``."""
+
+    impl: str
+    call: Callable[..., Any]
+    sets: Sequence[tuple]
+    check: Callable[[Callable[..., Any]], float] | None
+    params: dict[str, Any]
+
+
+def measure_together(b: Bench, op: str, entries: Sequence[Entry], nbytes: int, **fields: Any) -> list[Row]:
+    """``Bench.measure`` for the implementations of one shape, their graphs replayed in
+    interleaved rounds (``CudaTimer.time_together``): checked first, each; a failure becomes a
+    row with a note."""
+    errors: list[float | None | Exception] = []
+    for e in entries:
+        try:
+            errors.append(e.check(e.call) if e.check is not None else None)
+        except Exception as x:
+            errors.append(x)
+    todo = [i for i, err in enumerate(errors) if not isinstance(err, Exception)]
+    timings = dict(
+        zip(todo, b.timer.time_together([(entries[i].call, entries[i].sets) for i in todo]), strict=True)
+    )
+    rows = []
+    for i, e in enumerate(entries):
+        t = timings.get(i, errors[i])
+        if isinstance(t, Exception):
+            note = f"failed: {type(t).__name__}: {t}"[:300]
+            rows.append(Row(op=op, impl=e.impl, bytes=int(nbytes), note=note, params=e.params, **fields))
+            continue
+        row = b.row(
+            op,
+            e.impl,
+            nbytes,
+            t.us,
+            event_us=t.event_us,
+            max_err=errors[i],
+            stats=t.stats,
+            params=e.params,
+            **fields,
+        )
+        row.note = t.note
+        rows.append(row)
+    return rows
 
 
 def copy_row(b: Bench) -> Row:
