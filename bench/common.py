@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 COPY_BYTES = 2**30  # each of the copy benchmark's two buffers
+MIN_ROUNDS = 7  # interleaved rounds at least (CudaTimer.time_together)
 SAMPLE_ROWS = 256  # (token, head) rows compared with the float64 reference
 
 # --- records ----------------------------------------------------------------------------------
@@ -193,18 +194,22 @@ class CudaTimer:
                 prepared.append(e)
         live = [p for p in prepared if isinstance(p, _Prepared) and p.graph is not None]
         if live:
+            # each call's share of the budget, as when timed alone; at least MIN_ROUNDS rounds
             per_round = sum(p.n * p.event_us for p in live)
-            rounds = int(min(self.max_replays, max(3, self.budget_us / 2 / max(per_round, 1.0))))
+            share = self.budget_us / 2 * len(live) / max(per_round, 1.0)
+            rounds = int(min(self.max_replays, max(MIN_ROUNDS, share)))
             for p in live:
                 p.graph.replay()  # the first replay uploads the graph
             torch.cuda.synchronize()
             marks = [[(self._event(), self._event()) for _ in range(rounds)] for _ in live]
             self._spin(30.0 * rounds * len(live) + 50.0)
+            L = len(live)
             for r in range(rounds):
-                for p, m in zip(live, marks, strict=True):
-                    m[r][0].record()
-                    p.graph.replay()
-                    m[r][1].record()
+                for j in range(L):  # the order rotates: each call follows each other one alike
+                    i = (r + j) % L
+                    marks[i][r][0].record()
+                    live[i].graph.replay()
+                    marks[i][r][1].record()
             torch.cuda.synchronize()
             for p, m in zip(live, marks, strict=True):
                 per_call = [a.elapsed_time(b) * 1e3 / p.n for a, b in m]

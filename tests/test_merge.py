@@ -280,6 +280,32 @@ def test_output_dtype_differs_from_inputs(in_dtype, out_dtype, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T", [8200, 16400], ids=["2GB-spans", "past-int32-elements"])
+def test_spans_past_two_gigabytes_and_past_int32_elements(T):
+    """bf16 [T, 128, 1024]. T = 8200: 2.15 GB per tensor in 1.07e9 elements, so the 32-bit
+    kernels run, with element offsets below 2^31 and byte offsets above; T = 16400: 2.15e9
+    elements, the 64-bit index math. The sample holds the last rows (the largest offsets), with
+    empty states of NaN V among them."""
+    H, D = 128, 1024
+    need = 3 * T * H * D * 2 + T * H * D + 2**30  # V in, out, the NaN-row scan's mask
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs {need / 1e9:.1f} GB of free GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(T)
+    v_a = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    v_b = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    s_a = torch.randn(T, H, device="cuda", generator=g) * 4
+    s_b = torch.randn(T, H, device="cuda", generator=g) * 4
+    s_a[-1, ::2] = -INF
+    v_a[-1, ::2] = NAN
+    s_b[-2, 1::2] = INF
+    v_b[-2, 1::2] = NAN
+    out = torch.full_like(v_a, NAN)
+    lse = torch.full_like(s_a, NAN)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
+    _compare(out, lse, v_a, s_a, v_b, s_b, torch.bfloat16)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_hn_lse_layout_padded_heads_and_unaligned_views(dtype):
     T, H, D = 1025, 16, 128

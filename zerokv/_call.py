@@ -129,9 +129,10 @@ class Call:
         widest = 0
         for i, f in enumerate(facts):
             if f is not None:
-                spans[i] = s = extent(f[0], f[1], f[2], itemsizes[i] or 1)
-                widest = max(widest, s[1] - s[0])
-        self.widest = widest  # bytes of the widest tensor: bounds any element offset it holds
+                size = itemsizes[i] or 1
+                spans[i] = s = extent(f[0], f[1], f[2], size)
+                widest = max(widest, (s[1] - s[0]) // size)
+        self.widest = widest  # elements spanned by the widest tensor: bounds any element offset in it
         for o, may_alias in outs:
             so = spans.get(o)
             if so is None:

@@ -415,9 +415,13 @@ class _MergeTwoPlan(_MergePlan):
                 pl, stl, end_l = 0, (0, 0), 0
         except (AttributeError, TypeError, ValueError):  # not torch tensors, or not 3-D / 2-D
             return None
-        # 32-bit index math when every span (bytes bound elements) and thread index fits
-        span = max(end_a - pa, end_b - pb, end_sa - psa, end_sb - psb, end_o - po, T * H * max(D, 1) * 4)
-        fits = span < _INT32 and (out_lse is None or end_l - pl < _INT32)
+        # 32-bit index math when every tensor's span in elements (which bounds any element offset
+        # the kernel forms in it) and the thread index fit
+        span = max(
+            (end_a - pa) // isz, (end_b - pb) // isz, (end_sa - psa) // 4, (end_sb - psb) // 4,
+            (end_o - po) // self.out_size, T * H * max(D, 1),
+        )  # fmt: skip
+        fits = span < _INT32 and (out_lse is None or (end_l - pl) // 4 < _INT32)
         inplace = pl in (psa, psb)
         prefix = T if prefix_rows is None else prefix_rows
         if fits and self.flat_targs is not None and not inplace and D and self.launch_flat(
@@ -453,9 +457,9 @@ class _MergeTwoPlan(_MergePlan):
         if T * H == 0:
             return out, out_lse
         inplace = ol is not None and ol[0] in (sa[0], sb[0])
-        # 32-bit index math when every span (bytes bound elements) and thread index fits; the
-        # outputs allocated above are contiguous, no wider than T * H * D * 4 bytes
-        widest = _INT32 if call.widest is None else max(call.widest, T * H * max(D, 1) * 4)
+        # 32-bit index math when every tensor's span in elements and the thread index fit; the
+        # outputs allocated above are contiguous, T * H * D elements at most
+        widest = _INT32 if call.widest is None else max(call.widest, T * H * max(D, 1))
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
@@ -727,8 +731,8 @@ class _MergeNPlan(_MergePlan):
             return out, out_lse
         vs, ss, os_ = v[2], s[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
-        # outputs allocated above are contiguous, no wider than T * H * D * 4 bytes
-        widest = _INT32 if call.widest is None else max(call.widest, T * H * max(D, 1) * 4)
+        # outputs allocated above are contiguous, T * H * D elements at most
+        widest = _INT32 if call.widest is None else max(call.widest, T * H * max(D, 1))
         if (
             N == 2
             and self.flat_targs is not None
