@@ -22,7 +22,9 @@ Parts:
 * cp: context-parallel merge on two GPUs (``bench/bench_cp.py``, when present).
 
 GPU µs come from replaying a CUDA graph of many calls (no host cost inside), beside the
-CUDA-event time of one call. Inputs rotate over sets that together exceed twice the L2, so
+CUDA-event time of one call; the implementations of one shape are replayed in interleaved
+rounds (a new order each round) and each keeps the median of its rounds, so that the drift of a
+GPU's clocks over a run falls on all of them alike. Inputs rotate over sets that together exceed twice the L2, so
 that large shapes come from memory; a graph of 50 calls on shapes of a few hundred kB stays in
 L2 (as an engine's merge finds what the attention kernel just wrote). GB/s = 1e9 bytes read +
 written per second; % of copy = against a torch ``copy_`` of 1 GiB in the same run. Each run

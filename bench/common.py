@@ -2,8 +2,9 @@
 bandwidth every figure is compared with, the error against the float64 reference and the
 progress display.
 
-Units: µs of GPU time per call, from replaying a CUDA graph of many calls (no host cost inside);
-beside it the CUDA-event time of one call made eagerly. GB/s = 1e9 bytes (read + written) per
+Units: µs of GPU time per call, from replaying a CUDA graph of many calls (no host cost inside;
+the implementations of a shape in interleaved rounds, the median of each); beside it the
+CUDA-event time of one call made eagerly. GB/s = 1e9 bytes (read + written) per
 second; % of copy = GB/s over the GB/s of a torch ``dst.copy_(src)`` measured in the same run.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import math
+import random
 import shutil
 import statistics
 import sys
@@ -22,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 COPY_BYTES = 2**30  # each of the copy benchmark's two buffers
-MIN_ROUNDS = 7  # interleaved rounds at least (CudaTimer.time_together)
+MIN_ROUNDS = 9  # interleaved rounds at least (CudaTimer.time_together)
 SAMPLE_ROWS = 256  # (token, head) rows compared with the float64 reference
 
 # --- records ----------------------------------------------------------------------------------
@@ -202,11 +204,16 @@ class CudaTimer:
                 p.graph.replay()  # the first replay uploads the graph
             torch.cuda.synchronize()
             marks = [[(self._event(), self._event()) for _ in range(rounds)] for _ in live]
-            self._spin(30.0 * rounds * len(live) + 50.0)
-            L = len(live)
+            self._spin(60.0 * rounds * len(live) + 50.0)
+            # A new order every round, and each timed replay right after an untimed one of the
+            # same graph: what a call leaves behind for the next (dirty cache lines, a heavy
+            # eager baseline's temporaries) falls on the untimed replay, as when timed alone.
+            order = list(range(len(live)))
+            shuffle = random.Random(len(live) * 7919 + rounds).shuffle
             for r in range(rounds):
-                for j in range(L):  # the order rotates: each call follows each other one alike
-                    i = (r + j) % L
+                shuffle(order)
+                for i in order:
+                    live[i].graph.replay()
                     marks[i][r][0].record()
                     live[i].graph.replay()
                     marks[i][r][1].record()

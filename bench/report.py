@@ -229,8 +229,8 @@ def merge_section(rows: list[Row]) -> list[str]:
         return []
     bases = [i for i in _impls([r for r in rows if r.op == "merge_state"]) if i != OURS]
     out = [
-        "## merge_state\n\nMB: 2 V + 2 LSE read, 1 V + 1 LSE written. Cells: GPU µs per call from a CUDA-graph "
-        "replay (% of copy); `1 call`: CUDA-event time of one eager call. Layout TH: LSE `[T, H]`; HT: an "
+        "## merge_state\n\nMB: 2 V + 2 LSE read, 1 V + 1 LSE written. Cells: GPU µs per call from CUDA-graph "
+        "replays, the implementations of a shape in interleaved rounds (% of copy); `1 call`: CUDA-event time of one eager call. Layout TH: LSE `[T, H]`; HT: an "
         "`[H, T]` buffer passed as `.T`. `*`: measured in the other layout (the vLLM-design CUDA merge reads "
         "`[H, T]` natively). best: the fastest baseline of the shape in any layout."
     ]
