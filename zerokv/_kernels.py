@@ -157,16 +157,18 @@ RULE_KV_LENS_ZERO, RULE_CONTEXT_SPAN_EMPTY = 0, 1
 EMPTY_ROWS = Kernel(
     stem="empty_rows",
     name="empty_rows_kernel",
+    # lens64: the width of the scanned offsets (kv_lens / cu_seqlens_kv), int32 or int64
     instances=tuple(
-        (ci, v, rule)
+        (ci, v, rule, lens64)
         for ci, i in _V
         for v in (1, vec(i))
         for rule in (RULE_KV_LENS_ZERO, RULE_CONTEXT_SPAN_EMPTY)
+        for lens64 in (0, 1)
     ),
     block=256,
     params=_params(
         "ptr out, i64 out_st, i64 out_sh, ptr lse, i64 lse_st, i64 lse_sh,"
-        " ptr cu_q, i64 q_is64, ptr lens, i64 lens_is64, i64 batch, i64 T, i64 H, i64 D, i64 flat"
+        " ptr cu_q, i64 q_is64, ptr lens, i64 batch, i64 T, i64 H, i64 D, i64 flat"
     ),
 )
 

@@ -121,11 +121,11 @@ class _EmptyRowsPlan:
         o = v["out"]
         self.vec_max = _kernels.vec(o.dtype)
         self.vec = self.vec_max if call.aligned else 1
-        targs = (_dtypes.ctype(o.dtype), self.vec, rule)
-        self.launch = _plans.launcher(_kernels.EMPTY_ROWS, targs, v["device"])
-        self.grid = _BLOCKS_PER_SM * _runtime.sm_count(v["device"])
         self.q_is64 = int(call.dtypes[2] == "int64")
         self.lens_is64 = int(call.dtypes[3] == "int64")
+        targs = (_dtypes.ctype(o.dtype), self.vec, rule, self.lens_is64)
+        self.launch = _plans.launcher(_kernels.EMPTY_ROWS, targs, v["device"])
+        self.grid = _BLOCKS_PER_SM * _runtime.sm_count(v["device"])
         self.q_size, self.lens_size = 4 + 4 * self.q_is64, 4 + 4 * self.lens_is64
         self.lens_extra = int(rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         self.itemsizes = [_dtypes.ITEMSIZE.get(d) for d in call.dtypes]
@@ -187,7 +187,7 @@ class _EmptyRowsPlan:
         flat = int(sto[1] == D and sto[0] == H * D)
         self.launch(
             self.blocks(T, H, D), _runtime.torch_stream(dev),
-            po, sto[0], sto[1], pl, stl[0], stl[1], pc, self.q_is64, pn, self.lens_is64, B, T, H, D, flat,
+            po, sto[0], sto[1], pl, stl[0], stl[1], pc, self.q_is64, pn, B, T, H, D, flat,
         )  # fmt: skip
         return True
 
@@ -217,8 +217,7 @@ class _EmptyRowsPlan:
         os_, ss = o[2], s[2]
         self.launch(
             self.blocks(T, H, D), call.stream(),
-            o[0], os_[0], os_[1], s[0], ss[0], ss[1], cu[0], self.q_is64, lens[0], self.lens_is64,
-            B, T, H, D, flat,
+            o[0], os_[0], os_[1], s[0], ss[0], ss[1], cu[0], self.q_is64, lens[0], B, T, H, D, flat,
         )  # fmt: skip
 
 
