@@ -175,6 +175,7 @@ def test_empty_rows_fast_path_packs_what_the_validating_path_packs(recorded, rul
 
     plan = empty_rows._EmptyRowsPlan(call_of(), rule, names)
     _both(recorded, lambda: plan.torch_call(*objs), lambda: plan(call_of(), rule, names))
+    assert recorded[-1][1][-1] == int(index is torch.int64)  # the offsets' width, at compile time
 
 
 def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded):
@@ -207,6 +208,19 @@ def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded
     plan = merge._MergeTwoPlan(_fresh(objs), None, None)
     _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
     assert recorded[-1][:2] == ("merge_state_kernel", (*flat, 1, 0, "int"))
+
+
+def test_tensors_past_two_gigabytes_keep_32_bit_math_below_2_31_elements(recorded):
+    """bf16 V of 2^30 + 8192 elements (2^31 + 16384 bytes): every element offset fits 32 bits,
+    so the flat kernel runs (its offsets are elements, not bytes), on both paths. The tensors
+    are never written, so their pages are never touched."""
+    T, H, D = 2**20 + 8, 8, 128
+    v_a, v_b, out = (torch.empty(T, H, D, dtype=torch.bfloat16) for _ in range(3))
+    s_a, s_b, out_lse = torch.randn(T, H), torch.randn(T, H), torch.empty(T, H)
+    objs = (v_a, s_a, v_b, s_b, out, out_lse)
+    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+    _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    assert recorded[-1][:2] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0))
 
 
 def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded):
