@@ -1,5 +1,6 @@
 """The benchmark suite: its baseline CUDA kernel compiles (NVRTC, no GPU), its dry run goes through
-the whole pipeline on the CPU, the report judges rows as documented, and on a GPU the baseline
+the whole pipeline on the CPU, the report judges rows as documented, the interleaved timing replays
+as documented (a fake CUDA clock), and on a GPU the baseline
 merge in vLLM's design computes what the float64 reference says."""
 
 from __future__ import annotations
@@ -118,6 +119,115 @@ def test_report_host_targets_are_over_torch_mul_of_the_same_mode(bench):
         "host (b) the same call repeated: every op and adapter": False,
         "host (c) outputs allocated by zerokv, new T every call": True,
     }
+
+
+class _FakeCuda:
+    """Enough of ``torch.cuda`` for ``CudaTimer`` on the CPU: a clock that graph replays and
+    sleeps advance, events that read it, and a log of every replay and event in queue order."""
+
+    def __init__(self, cost_us):
+        self.cost_us = cost_us  # per call of each implementation, by name
+        self.now_ms = 0.0
+        self.log = []
+        self.capturing = None
+        outer = self
+
+        class Event:
+            def __init__(self, enable_timing=True):
+                self.t = None
+
+            def record(self):
+                self.t = outer.now_ms
+                outer.log.append(("event", self))
+
+            def elapsed_time(self, other):
+                return other.t - self.t
+
+            def synchronize(self):
+                pass
+
+        class CUDAGraph:
+            def __init__(self):
+                self.calls = []
+
+            def capture_begin(self):
+                outer.capturing = self
+
+            def capture_end(self):
+                outer.capturing = None
+
+            def replay(self):
+                outer.log.append(("replay", self))
+                outer.now_ms += sum(outer.cost_us[c] for c in self.calls) / 1e3
+
+        class Stream:
+            def wait_stream(self, other):
+                pass
+
+        self.Event, self.CUDAGraph, self.Stream = Event, CUDAGraph, Stream
+
+    def _sleep(self, cycles):
+        self.now_ms += cycles / 1e6  # a 1 GHz clock
+
+    def synchronize(self):
+        pass
+
+    def current_stream(self):
+        return self.Stream()
+
+    def stream(self, s):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def call(self, name):
+        """What one call of implementation ``name`` does: queue itself (into a graph when one
+        is being captured)."""
+        if self.capturing is not None:
+            self.capturing.calls.append(name)
+        else:
+            self.now_ms += self.cost_us[name] / 1e3
+
+
+def test_interleaved_timing_replays_each_graph_before_timing_it_in_a_new_order(bench):
+    """``CudaTimer.time_together``: every timed replay follows an untimed replay of the same
+    graph; the order changes from round to round; each figure is the per-call time of its own
+    graph; a failing call gives its exception in its place and the others are still timed."""
+    cost = {"a": 2.0, "b": 5.0, "c": 1.0, "slow": 400.0}
+    cuda = _FakeCuda(cost)
+    fake_torch = type("FakeTorch", (), {"cuda": cuda})()
+    timer = bench.common.CudaTimer(fake_torch, budget_us=10000.0)
+    sets = bench.common.Sets(3, lambda k: (k,))
+
+    def impl(name):
+        return lambda k: cuda.call(name)
+
+    def broken(k):
+        raise RuntimeError("no kernel image")
+
+    cuda.log.clear()
+    out = timer.time_together(
+        [(impl("a"), sets), (broken, sets), (impl("b"), sets), (impl("c"), sets), (impl("slow"), sets)]
+    )
+    assert isinstance(out[1], RuntimeError)
+    for t, name in zip([out[0], out[2], out[3], out[4]], ["a", "b", "c", "slow"], strict=True):
+        assert t.us == pytest.approx(cost[name]) and t.stats["interleaved_with"] == 3
+    rounds = out[0].stats["replays"]
+    assert rounds >= bench.common.MIN_ROUNDS
+    # the timed part of the log: after the last graph upload, pairs of events around one replay
+    log = cuda.log
+    timed = [i for i, (kind, _) in enumerate(log) if kind == "event"]
+    timed = timed[len(timed) - 2 * 4 * rounds :]
+    orders = []
+    for j in range(0, len(timed), 2):
+        start, end = timed[j], timed[j + 1]
+        inside = [x for kind, x in log[start + 1 : end] if kind == "replay"]
+        before = log[start - 1]
+        assert len(inside) == 1 and before == ("replay", inside[0])  # an untimed replay first
+        orders.append(inside[0].calls[0])
+    per_round = [tuple(orders[r * 4 : (r + 1) * 4]) for r in range(rounds)]
+    assert all(sorted(o) == ["a", "b", "c", "slow"] for o in per_round)
+    assert len(set(per_round)) > 1  # not one fixed order
 
 
 def test_dry_run_goes_through_the_whole_pipeline(tmp_path):
