@@ -1,7 +1,7 @@
 """The benchmark suite: its baseline CUDA kernel compiles (NVRTC, no GPU), its dry run goes through
-the whole pipeline on the CPU, the report judges rows as documented, the interleaved timing replays
-as documented (a fake CUDA clock), and on a GPU the baseline
-merge in vLLM's design computes what the float64 reference says."""
+the whole pipeline on the CPU, the report judges rows as documented, the interleaved timing
+replays as documented (against a fake CUDA clock), and on a GPU the baseline merge in vLLM's
+design computes what the float64 reference says."""
 
 from __future__ import annotations
 
