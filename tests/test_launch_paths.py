@@ -212,14 +212,28 @@ def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded
 
 def test_tensors_past_two_gigabytes_keep_32_bit_math_below_2_31_elements(recorded):
     """bf16 V of 2^30 + 8192 elements (2^31 + 16384 bytes): every element offset fits 32 bits,
-    so the flat kernel runs (its offsets are elements, not bytes), on both paths. The tensors
-    are never written, so their pages are never touched."""
+    so the flat kernel runs (its offsets are elements, not bytes), on both paths of merge_state
+    and of a two-state merge_states. The tensors are never written, so their pages are never
+    touched."""
     T, H, D = 2**20 + 8, 8, 128
     v_a, v_b, out = (torch.empty(T, H, D, dtype=torch.bfloat16) for _ in range(3))
     s_a, s_b, out_lse = torch.randn(T, H), torch.randn(T, H), torch.empty(T, H)
     objs = (v_a, s_a, v_b, s_b, out, out_lse)
     plan = merge._MergeTwoPlan(_fresh(objs), None, None)
     _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    assert recorded[-1][:2] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0))
+    del v_a, v_b
+    # merge_states, N = 2: the states as one [2, T, H, D] tensor of 2^31 + 16384 elements
+    v, s = torch.empty(2, T // 2, H, D, dtype=torch.bfloat16), torch.randn(2, T // 2, H)
+    objs_n = (v, s, out[: T // 2], out_lse[: T // 2], None, None)
+
+    def validating():
+        call = _call.Call("merge_states", objs_n, ("e", False))
+        call.key(merge._aligned_n(call))
+        return plan_n(call)
+
+    plan_n = merge._MergeNPlan(_first_n(objs_n))
+    _both(recorded, lambda: plan_n.torch_call(*objs_n[:4]), validating)
     assert recorded[-1][:2] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0))
 
 

@@ -701,12 +701,14 @@ class _MergeNPlan(_MergePlan):
                 pl, stl = 0, (0, 0)
         except (AttributeError, TypeError, ValueError):
             return None
+        # 32-bit index math by elements, as on the validating path
         if (
             N == 2
             and self.flat_targs is not None
             and D
-            and max(end_v - pv, end_s - ps, end_o - po, T * H * D * 4) < _INT32
-            and (out_lse is None or end_l - pl < _INT32)
+            and max((end_v - pv) // self.in_size, (end_s - ps) // 4, (end_o - po) // self.out_size, T * H * D)
+            < _INT32
+            and (out_lse is None or (end_l - pl) // 4 < _INT32)
             and self.launch_two(_runtime.torch_stream(dev), T, H, D, pv, stv, ps, sts, po, sto, pl, stl)
         ):
             return out, out_lse
