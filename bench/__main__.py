@@ -42,8 +42,8 @@ the progress bar; ``run(b)`` returns ``common.Row`` records: ``op`` names the ta
 panel, ``impl`` the column and the line (``"zerokv"`` is ours, anything else a baseline),
 ``params`` what identifies the configuration (rows with equal op, dtype, T, H, D and params
 share a table line), ``stats`` how it was measured, ``us`` µs per call, ``bytes`` the bytes
-floor (``b.row`` turns it into GB/s and % of copy; ``b.measure`` checks and times a call over
-rotating ``common.Sets``). A task that raises becomes a "failed" row and the run goes on; a
+floor (``b.row`` turns it into GB/s and % of copy; ``b.measure`` checks and times the
+implementations of a shape, each over rotating ``common.Sets``). A task that raises becomes a "failed" row and the run goes on; a
 task that cannot run here (too few GPUs) returns a row whose note starts with "skipped:".
 The report reads the rows only: an op it does not know gets a generic table and PNG panel.
 """

@@ -19,7 +19,7 @@ import zerokv
 from zerokv import reference
 
 from . import baselines
-from .common import Bench, Entry, Row, Sets, Task, max_error, measure_together, to_np, written_bytes
+from .common import Bench, Entry, Row, Sets, Task, max_error, to_np, written_bytes
 
 NAN = float("nan")
 
@@ -140,4 +140,4 @@ def run(op: str, lay: Layout, E: int, b: Bench) -> list[Row]:
 
     params = {"empty_rows": E, "requests": B, "rows_per_request": R}
     entries = [Entry(name, fn, sets, check, dict(params)) for name, fn in OPS[op]]
-    return measure_together(b, op, entries, nbytes, dtype="bf16", T=T, H=H, D=D)
+    return b.measure(op, entries, nbytes, dtype="bf16", T=T, H=H, D=D)

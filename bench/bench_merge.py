@@ -28,7 +28,6 @@ from .common import (
     Sets,
     Task,
     max_error,
-    measure_together,
     merge_bytes,
     sample_rows,
     states_bytes,
@@ -157,7 +156,7 @@ def run_merge_state(dt: str, T: int, H: int, D: int, b: Bench) -> list[Row]:
         for name, fn, layouts, base in implementations(b, dt, nbytes)
         for layout in layouts
     ]  # fmt: skip
-    return measure_together(b, "merge_state", entries, nbytes, **fields)
+    return b.measure("merge_state", entries, nbytes, **fields)
 
 
 def _zerokv_merge_states(v, s, out, out_lse):
@@ -192,4 +191,4 @@ def run_merge_states(N: int, T: int, H: int, D: int, b: Bench) -> list[Row]:
     if nbytes <= EAGER_MAX_BYTES:
         impls.append((EAGER, baselines.eager_merge_states))
     entries = [Entry(name, fn, sets, check, {"N": N}) for name, fn in impls]
-    return measure_together(b, "merge_states", entries, nbytes, **fields)
+    return b.measure("merge_states", entries, nbytes, **fields)

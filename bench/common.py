@@ -334,6 +334,16 @@ class FakeTimer:
         return out
 
 
+class Entry(NamedTuple):
+    """One implementation of a shape for ``Bench.measure``."""
+
+    impl: str
+    call: Callable[..., Any]
+    sets: Sequence[tuple]
+    check: Callable[[Callable[..., Any]], float] | None
+    params: dict[str, Any]
+
+
 class Bench:
     """The context every task receives: device, timer, mode, L2 size and the copy bandwidth."""
 
@@ -375,74 +385,45 @@ class Bench:
         pct = 100.0 * gbps / self.copy_gbps if gbps and self.copy_gbps else None
         return Row(op=op, impl=impl, bytes=int(nbytes), us=us, gbps=gbps, pct_copy=pct, **fields)
 
-    def measure(
-        self,
-        op: str,
-        impl: str,
-        call: Callable[..., Any],
-        sets: Sequence[tuple],
-        nbytes: int,
-        check: Callable[[Callable[..., Any]], float] | None = None,
-        **fields: Any,
-    ) -> Row:
-        """Check (max error on a sample), then time ``call(*set)``; a failure becomes a row with
-        a note instead of ending the run."""
-        try:
-            err = check(call) if check is not None else None
-            t = self.timer.time(call, sets, nbytes)
-        except Exception as e:  # one implementation failing must not stop the run
-            note = f"failed: {type(e).__name__}: {e}"[:300]
-            return Row(op=op, impl=impl, bytes=int(nbytes), note=note, **fields)
-        row = self.row(op, impl, nbytes, t.us, event_us=t.event_us, max_err=err, stats=t.stats, **fields)
-        row.note = t.note
-        return row
-
-
-class Entry(NamedTuple):
-    """One implementation of a shape for ``Bench.measure_together``."""
-
-    impl: str
-    call: Callable[..., Any]
-    sets: Sequence[tuple]
-    check: Callable[[Callable[..., Any]], float] | None
-    params: dict[str, Any]
-
-
-def measure_together(b: Bench, op: str, entries: Sequence[Entry], nbytes: int, **fields: Any) -> list[Row]:
-    """``Bench.measure`` for the implementations of one shape, their graphs replayed in
-    interleaved rounds (``CudaTimer.time_together``): checked first, each; a failure becomes a
-    row with a note."""
-    errors: list[float | None | Exception] = []
-    for e in entries:
-        try:
-            errors.append(e.check(e.call) if e.check is not None else None)
-        except Exception as x:
-            errors.append(x)
-    todo = [i for i, err in enumerate(errors) if not isinstance(err, Exception)]
-    timings = dict(
-        zip(todo, b.timer.time_together([(entries[i].call, entries[i].sets) for i in todo]), strict=True)
-    )
-    rows = []
-    for i, e in enumerate(entries):
-        t = timings.get(i, errors[i])
-        if isinstance(t, Exception):
-            note = f"failed: {type(t).__name__}: {t}"[:300]
-            rows.append(Row(op=op, impl=e.impl, bytes=int(nbytes), note=note, params=e.params, **fields))
-            continue
-        row = b.row(
-            op,
-            e.impl,
-            nbytes,
-            t.us,
-            event_us=t.event_us,
-            max_err=errors[i],
-            stats=t.stats,
-            params=e.params,
-            **fields,
+    def measure(self, op: str, entries: Sequence[Entry], nbytes: int, **fields: Any) -> list[Row]:
+        """The implementations of one shape: each checked (max error on a sample), then all timed
+        together, their graphs replayed in interleaved rounds (``CudaTimer.time_together``); a
+        failure becomes a row with a note instead of ending the run."""
+        errors: list[float | None | Exception] = []
+        for e in entries:
+            try:
+                errors.append(e.check(e.call) if e.check is not None else None)
+            except Exception as x:
+                errors.append(x)
+        todo = [i for i, err in enumerate(errors) if not isinstance(err, Exception)]
+        timings = dict(
+            zip(
+                todo,
+                self.timer.time_together([(entries[i].call, entries[i].sets) for i in todo]),
+                strict=True,
+            )
         )
-        row.note = t.note
-        rows.append(row)
-    return rows
+        rows = []
+        for i, e in enumerate(entries):
+            t = timings.get(i, errors[i])
+            if isinstance(t, Exception):
+                note = f"failed: {type(t).__name__}: {t}"[:300]
+                rows.append(Row(op=op, impl=e.impl, bytes=int(nbytes), note=note, params=e.params, **fields))
+                continue
+            row = self.row(
+                op,
+                e.impl,
+                nbytes,
+                t.us,
+                event_us=t.event_us,
+                max_err=errors[i],
+                stats=t.stats,
+                params=e.params,
+                **fields,
+            )
+            row.note = t.note
+            rows.append(row)
+        return rows
 
 
 def copy_row(b: Bench) -> Row:
