@@ -174,6 +174,24 @@ __device__ __forceinline__ void store_float_if(bool pred, float* base, i64 i, fl
 template <typename T> struct is_fp8 { static constexpr bool value = false; };
 template <> struct is_fp8<zk_fp8_e4m3> { static constexpr bool value = true; };
 
+template <typename T> struct is_bf16 { static constexpr bool value = false; };
+template <> struct is_bf16<zk_bfloat16> { static constexpr bool value = true; };
+
+// A bf16 pack's values as floats, or zeros when !keep, in one byte permutation per value (the
+// zero bytes come from the second operand): the widening and the drop of an input that is not
+// used (it may hold NaN/Inf, so its bits go, never multiplied by zero) in one instruction.
+template <int VEC>
+__device__ __forceinline__ void bf16_floats_if(bool keep, const Pack<zk_bfloat16, VEC>& p, float* x) {
+  static_assert(VEC % 2 == 0, "whole 32-bit words");
+  const unsigned* w = reinterpret_cast<const unsigned*>(p.v);
+  const unsigned sel_lo = keep ? 0x1044u : 0x4444u, sel_hi = keep ? 0x3244u : 0x4444u;
+#pragma unroll
+  for (int j = 0; j < VEC / 2; ++j) {
+    x[2 * j] = __uint_as_float(__byte_perm(w[j], 0u, sel_lo));
+    x[2 * j + 1] = __uint_as_float(__byte_perm(w[j], 0u, sel_hi));
+  }
+}
+
 // Two floats to two packed 16-bit values in one instruction (lo in the low half).
 template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float hi);
 template <> __device__ __forceinline__ unsigned pack2<zk_bfloat16>(float lo, float hi) {

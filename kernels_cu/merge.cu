@@ -69,15 +69,28 @@ __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, flo
 // then keeps the group in one warp); each V pack is read and written by one thread, so out may
 // alias v_a or v_b.
 
+// A zero coefficient drops that input (an empty one, or one whose weight underflows): its V
+// may hold NaN/Inf, so it is selected away, never multiplied by zero. bf16 packs take the
+// selects on their bits while widening them, then one FMUL and one FFMA per value: 0.03-0.06 µs
+// less on small calls; half and float keep a select per value, which measured faster for them
+// (bench/NOTES.md).
 template <typename Tin, typename Tout, int VEC>
 __device__ __forceinline__ Pack<Tout, VEC> merged(const Pack<Tin, VEC>& a, const Pack<Tin, VEC>& b, float ca, float cb,
                                                   float inv_scale) {
   float acc[VEC];
+  if constexpr (is_bf16<Tin>::value && VEC % 2 == 0) {
+    float xa[VEC], xb[VEC];
+    bf16_floats_if<VEC>(ca != 0.f, a, xa);
+    bf16_floats_if<VEC>(cb != 0.f, b, xb);
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) {  // a zero coefficient selects that input away (it may be NaN)
-    const float xa = ca != 0.f ? ca * to_float(a.v[j]) : 0.f;
-    const float xb = cb != 0.f ? cb * to_float(b.v[j]) : 0.f;
-    acc[j] = xa + xb;
+    for (int j = 0; j < VEC; ++j) acc[j] = fmaf(cb, xb[j], ca * xa[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float xa = ca != 0.f ? ca * to_float(a.v[j]) : 0.f;
+      const float xb = cb != 0.f ? cb * to_float(b.v[j]) : 0.f;
+      acc[j] = xa + xb;
+    }
   }
   return convert_pack<Tout, VEC>(acc, inv_scale);
 }
@@ -184,10 +197,12 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
 }
 
 // The engine's common call (no a_empty, row mask, sinks or fp8 scale; out_lse not written in
-// place; every offset below 2^31 elements) in the smallest form: one thread per pack of V
-// (thread i: row i / packs, pack i % packs, both without a division), 32-bit parameters and
-// index math, the two V loads and the two LSE loads issued before any arithmetic. The thread
-// of pack 0 writes the row's LSE.
+// place) in the smallest form: one thread per pack of V (thread i: row i / packs, pack i % packs,
+// both without a division), the two V loads and the two LSE loads issued before any arithmetic.
+// The thread of pack 0 writes the row's LSE. I: the type of the strides and of the offsets
+// formed from them; int (merge_state_flat_kernel) when every tensor spans fewer than 2^31
+// elements, else long long (merge_state_flat64_kernel); the thread index is 32-bit in both (the
+// host keeps rows x packs below 2^31).
 //
 // SMALL = 1 (grids of a few waves, where a call is latency-bound): no branch before the loads,
 // so every parameter load is issued at once and the V loads go out first; a thread past the
@@ -196,6 +211,33 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
 // (bench/NOTES.md). In both, nothing branches after the loads either: the stores are
 // predicated instructions, not code a branch jumps over (a branch region there cost up to
 // 0.05 µs of a 1.4 µs call).
+template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I>
+__device__ __forceinline__ void merge_flat(
+    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
+    int rows, int H, int packs, unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
+    I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh, I vb_st, I vb_sh,
+    I out_st, I out_sh, I ol_st, I ol_sh, int prefix_rows, int suffix_verbatim, float k, float inv_k) {
+  const unsigned i = blockIdx.x * (unsigned)BLOCK + threadIdx.x;
+  const unsigned row0 = fast_div(i, packs_mul, packs_shr);
+  const bool live = row0 < (unsigned)rows;
+  if (!SMALL && !live) return;
+  const unsigned row = live ? row0 : 0u;
+  const int p = live ? (int)(i - row0 * (unsigned)packs) : 0;
+  const int t32 = (int)fast_div(row, H_mul, H_shr);
+  const I t = t32, h = (int)row - t32 * H, d = p * VEC;
+  const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
+  const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
+  const float la = __ldg(sa + (t * sa_st + h * sa_sh));
+  const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
+  RowCoef c = combine2<true>(t32 < prefix_rows ? la : neg_inf(), lb, k, inv_k);
+  const bool verbatim = t32 >= prefix_rows && suffix_verbatim;
+  c.ca = verbatim ? 0.f : c.ca;
+  c.cb = verbatim ? 1.f : c.cb;
+  c.lse = verbatim ? lb : c.lse;
+  store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + d), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
+  store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
+}
+
 template <typename Tin, typename Tout, int VEC, int SMALL>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_flat_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
@@ -206,24 +248,22 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
     int prefix_rows,      // rows t >= prefix_rows take state b alone
     int suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
     float k, float inv_k) {
-  const unsigned i = blockIdx.x * (unsigned)ZK_BLOCK_merge_state_flat_kernel + threadIdx.x;
-  const unsigned row0 = fast_div(i, packs_mul, packs_shr);
-  const bool live = row0 < (unsigned)rows;
-  if (!SMALL && !live) return;
-  const unsigned row = live ? row0 : 0u;
-  const int p = live ? (int)(i - row0 * (unsigned)packs) : 0;
-  const int t = (int)fast_div(row, H_mul, H_shr), h = (int)row - t * H;
-  const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + p * VEC));
-  const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + p * VEC));
-  const float la = __ldg(sa + (t * sa_st + h * sa_sh));
-  const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
-  RowCoef c = combine2<true>(t < prefix_rows ? la : neg_inf(), lb, k, inv_k);
-  const bool verbatim = t >= prefix_rows && suffix_verbatim;
-  c.ca = verbatim ? 0.f : c.ca;
-  c.cb = verbatim ? 1.f : c.cb;
-  c.lse = verbatim ? lb : c.lse;
-  store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + p * VEC), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
-  store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
+  merge_flat<Tin, Tout, VEC, SMALL, ZK_BLOCK_merge_state_flat_kernel, int>(
+      va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
+      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+}
+
+template <typename Tin, typename Tout, int VEC, int SMALL>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_kernel) merge_state_flat64_kernel(
+    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
+    int rows, int H, int packs,
+    unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
+    i64 sa_st, i64 sa_sh, i64 sb_st, i64 sb_sh, i64 va_st, i64 va_sh, i64 vb_st, i64 vb_sh,
+    i64 out_st, i64 out_sh, i64 ol_st, i64 ol_sh,
+    int prefix_rows, int suffix_verbatim, float k, float inv_k) {
+  merge_flat<Tin, Tout, VEC, SMALL, ZK_BLOCK_merge_state_flat64_kernel, i64>(
+      va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
+      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }
 
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both

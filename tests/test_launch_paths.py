@@ -57,6 +57,13 @@ def _both(log, fast, slow) -> None:
     assert log[-1] == first
 
 
+def _both_n(log, objs) -> None:
+    """``_both`` for merge_states: a plan built from ``objs``, its fast path, then its
+    validating path on a fresh call."""
+    plan = merge._MergeNPlan(_first_n(objs))
+    _both(log, lambda: plan.torch_call(*objs[:4]), lambda: plan(_first_n(objs)))
+
+
 def _states(T, H, D, dtype, lse_ht, pad_h):
     """Inputs in engine layouts: padded heads (``pad_h``), an [H, T] LSE buffer as ``.T``."""
     g = torch.Generator().manual_seed(T * 131 + H * 7 + D)
@@ -113,17 +120,7 @@ def test_merge_states_fast_path_packs_what_the_validating_path_packs(
     v = torch.randn(T, N, H + pad_h, D, generator=g).to(dtype)[:, :, :H].permute(1, 0, 2, 3)
     s = torch.randn(T, N, H, generator=g).permute(1, 0, 2)
     out, out_lse = torch.empty(T, H, D, dtype=dtype), torch.empty(H, T).T if lse_ht else torch.empty(T, H)
-    objs = (v, s, out, out_lse, None, None)
-
-    def validating():
-        call = _call.Call("merge_states", objs, ("e", False))
-        call.key(merge._aligned_n(call))
-        return plan(call)
-
-    first = _call.Call("merge_states", objs, ("e", False))
-    first.key(merge._aligned_n(first))
-    plan = merge._MergeNPlan(first)
-    _both(recorded, lambda: plan.torch_call(v, s, out, out_lse), validating)
+    _both_n(recorded, (v, s, out, out_lse, None, None))
     assert recorded[-1][0] == ("merge_state_flat_kernel" if N == 2 else "merge_states_kernel")
 
 
@@ -225,16 +222,38 @@ def test_tensors_past_two_gigabytes_keep_32_bit_math_below_2_31_elements(recorde
     del v_a, v_b
     # merge_states, N = 2: the states as one [2, T, H, D] tensor of 2^31 + 16384 elements
     v, s = torch.empty(2, T // 2, H, D, dtype=torch.bfloat16), torch.randn(2, T // 2, H)
-    objs_n = (v, s, out[: T // 2], out_lse[: T // 2], None, None)
-
-    def validating():
-        call = _call.Call("merge_states", objs_n, ("e", False))
-        call.key(merge._aligned_n(call))
-        return plan_n(call)
-
-    plan_n = merge._MergeNPlan(_first_n(objs_n))
-    _both(recorded, lambda: plan_n.torch_call(*objs_n[:4]), validating)
+    _both_n(recorded, (v, s, out[: T // 2], out_lse[: T // 2], None, None))
     assert recorded[-1][:2] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0))
+
+
+def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
+    """A V whose token stride spans 2^31 elements: the flat kernel's 64-bit form (its strides
+    are 64-bit parameters), on both paths of merge_state and of a two-state merge_states; an
+    unaligned call of that size takes the row-group kernel's 64-bit form. One 4 GB buffer, never
+    written, so its pages are never touched."""
+    T, H, D = 2, 8, 128
+    base = torch.empty(2**31 + T * H * D + 8, dtype=torch.bfloat16)
+    wide = base.as_strided((T, H, D), (2**31, D, 1))
+    v_b, s_a, s_b = torch.randn(T, H, D, dtype=torch.bfloat16), torch.randn(T, H), torch.randn(T, H)
+    objs = (wide, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
+    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+    _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    name, targs, grid, packed = recorded[-1]
+    assert (name, targs, grid) == ("merge_state_flat64_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2)
+    assert _kernels.MERGE_STATE_FLAT64.packer.unpack(packed)[17] == 2**31  # va_st, 64-bit
+
+    # two states 2^31 elements apart in one buffer
+    v = base.as_strided((2, T, H, D), (2**31, H * D, D, 1))
+    out_n = torch.empty(T, H, D, dtype=torch.bfloat16)
+    _both_n(recorded, (v, torch.randn(2, T, H), out_n, torch.empty(T, H), None, None))
+    assert recorded[-1][:3] == ("merge_state_flat64_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2)
+
+    # unaligned (V starts one element into the buffer): no vector path, the row-group kernel
+    odd = base[1:].as_strided((T, H, D), (2**31, D, 1))
+    objs = (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
+    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+    _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    assert recorded[-1][:2] == ("merge_state_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 1, 0, "long long"))
 
 
 def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded):
@@ -252,15 +271,7 @@ def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded)
             T,
         )
         v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
-        objs_n = (v, s, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H), None, None)
-
-        def validating(objs_n=objs_n):
-            call = _call.Call("merge_states", objs_n, ("e", False))
-            call.key(merge._aligned_n(call))
-            return plan_n(call)
-
-        plan_n = merge._MergeNPlan(_first_n(objs_n))
-        _both(recorded, lambda: plan_n.torch_call(*objs_n[:4]), validating)
+        _both_n(recorded, (v, s, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H), None, None))
         assert recorded[-1][:3] == (
             "merge_state_flat_kernel",
             ("zk_bfloat16", "zk_bfloat16", 8, small),

@@ -284,7 +284,7 @@ def test_output_dtype_differs_from_inputs(in_dtype, out_dtype, D):
 def test_spans_past_two_gigabytes_and_past_int32_elements(T):
     """bf16 [T, 128, 1024]. T = 8200: 2.15 GB per tensor in 1.07e9 elements, so the 32-bit
     kernels run, with element offsets below 2^31 and byte offsets above; T = 16400: 2.15e9
-    elements, the 64-bit index math. The sample holds the last rows (the largest offsets), with
+    elements, the flat kernel's 64-bit form (64-bit strides and offsets). The sample holds the last rows (the largest offsets), with
     empty states of NaN V among them."""
     H, D = 128, 1024
     need = 3 * T * H * D * 2 + T * H * D + 2**30  # V in, out, the NaN-row scan's mask

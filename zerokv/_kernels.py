@@ -137,6 +137,22 @@ MERGE_STATE_FLAT = Kernel(
     ),
 )
 
+# The same for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still
+# 32-bit; aligned calls only, and only the form for grids of many waves (SMALL = 0).
+MERGE_STATE_FLAT64 = Kernel(
+    stem="merge",
+    name="merge_state_flat64_kernel",
+    instances=tuple((ci, co, vec(i), 0) for ci, i in _V for co, _ in _V),
+    block=128,
+    params=_params(
+        "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, i32 H, i32 packs,"
+        " u32 packs_mul, i32 packs_shr, u32 H_mul, i32 H_shr,"
+        " i64 sa_st, i64 sa_sh, i64 sb_st, i64 sb_sh, i64 va_st, i64 va_sh, i64 vb_st, i64 vb_sh,"
+        " i64 out_st, i64 out_sh, i64 ol_st, i64 ol_sh, i32 prefix_rows, i32 suffix_verbatim,"
+        " f32 k, f32 inv_k"
+    ),
+)
+
 MERGE_STATES = Kernel(
     stem="merge",
     name="merge_states_kernel",
@@ -217,6 +233,7 @@ CP_FINALIZE = Kernel(
 KERNELS: tuple[Kernel, ...] = (
     MERGE_STATE,
     MERGE_STATE_FLAT,
+    MERGE_STATE_FLAT64,
     MERGE_STATES,
     EMPTY_ROWS,
     CP_PACK_LSE,

@@ -223,7 +223,7 @@ class _MergePlan:
     the op (``outputs``) and merge_state_flat_kernel, whose launchers are loaded by the first
     call that uses each; ``flat_targs`` None: never."""
 
-    flat: list | None = None  # [large, small] launchers, loaded by the first call of each
+    flat: list | None = None  # [large, small, 64-bit] launchers, loaded by the first call of each
     flat_targs: tuple | None = None
 
     # The fast paths' short keys do not hold the layout, so each plan's fast path takes only
@@ -259,21 +259,25 @@ class _MergePlan:
         return out, o, out_lse, ol
 
     def launch_flat(
-        self, stream, T, H, D, prefix, verbatim, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl
-    ):
+        self, stream, T, H, D, prefix, verbatim, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl, wide=False
+    ):  # fmt: skip
         """One launch of the flat kernel (the caller checked that it applies: no FULL code, out_lse
-        not in place, D > 0, every offset below 2^31); ``st*``: (token, head) strides. False when
-        a stride does not fit its 32-bit parameter (a size-1 dimension may carry any stride)."""
+        not in place, D > 0); ``st*``: (token, head) strides; ``wide``: a tensor spans 2^31
+        elements or more (64-bit offsets). False when the call does not fit the kernel: a
+        32-bit parameter overflows (a size-1 dimension may carry any stride), or, wide, the
+        thread index reaches 2^31 or the call is not aligned."""
         packs = D // self.vec
         blocks = -(-T * H * packs // _FLAT_BLOCK)
-        small = int(blocks <= _FLAT_SMALL_BLOCKS_PER_SM * self.sms)
+        if wide and (T * H * packs >= _INT32 or self.vec == 1):
+            return False
+        small = int(not wide and blocks <= _FLAT_SMALL_BLOCKS_PER_SM * self.sms)
         if self.flat is None:
-            self.flat = [None, None]
-        launch = self.flat[small]
+            self.flat = [None, None, None]
+        which = 2 if wide else small
+        launch = self.flat[which]
         if launch is None:
-            launch = self.flat[small] = _plans.launcher(
-                _kernels.MERGE_STATE_FLAT, (*self.flat_targs, small), self.device
-            )
+            kernel = _kernels.MERGE_STATE_FLAT64 if wide else _kernels.MERGE_STATE_FLAT
+            launch = self.flat[which] = _plans.launcher(kernel, (*self.flat_targs, small), self.device)
         div = _kernels.fast_divisor
         try:
             launch(
@@ -424,9 +428,9 @@ class _MergeTwoPlan(_MergePlan):
         fits = span < _INT32 and (out_lse is None or (end_l - pl) // 4 < _INT32)
         inplace = pl in (psa, psb)
         prefix = T if prefix_rows is None else prefix_rows
-        if fits and self.flat_targs is not None and not inplace and D and self.launch_flat(
+        if self.flat_targs is not None and not inplace and D and self.launch_flat(
             _runtime.torch_stream(dev), T, H, D, prefix, self.verbatim,
-            pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl,
+            pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl, not fits,
         ):  # fmt: skip
             return out, out_lse
         lanes, narrow, wide = self.geometry(D, T * H, inplace)
@@ -463,9 +467,9 @@ class _MergeTwoPlan(_MergePlan):
         prefix = T if prefix_rows is None else int(prefix_rows)
         sa_s, sb_s, va_s, vb_s, o_s = sa[2], sb[2], va[2], vb[2], o[2]
         ol_ptr, ol_st, ol_sh = (ol[0], ol[2][0], ol[2][1]) if ol is not None else (0, 0, 0)
-        if widest < _INT32 and self.flat_targs is not None and not inplace and D and self.launch_flat(
+        if self.flat_targs is not None and not inplace and D and self.launch_flat(
             call.stream(), T, H, D, prefix, self.verbatim, va[0], va_s, vb[0], vb_s, sa[0], sa_s,
-            sb[0], sb_s, o[0], o_s, ol_ptr, (ol_st, ol_sh),
+            sb[0], sb_s, o[0], o_s, ol_ptr, (ol_st, ol_sh), widest >= _INT32,
         ):  # fmt: skip
             return out, out_lse
         lanes, narrow, wide = self.geometry(D, T * H, inplace)
@@ -645,11 +649,13 @@ class _MergeNPlan(_MergePlan):
         # data faster than the N-way kernel's loop over inputs (bench/NOTES.md)
         self.flat_targs = None if call.objs[4] is not None or call.objs[5] is not None else targs
 
-    def launch_two(self, stream, T, H, D, pv, stv, ps, sts, po, sto, pl, stl) -> bool:
+    def launch_two(self, stream, T, H, D, pv, stv, ps, sts, po, sto, pl, stl, wide) -> bool:
         """States 0 and 1 (at v, v + stv[0]; s, s + sts[0]) through the flat kernel."""
         sv, ss = stv[1:], sts[1:]
         pb, psb = pv + stv[0] * self.in_size, ps + sts[0] * 4
-        return self.launch_flat(stream, T, H, D, T, 0, pv, sv, pb, sv, ps, ss, psb, ss, po, sto, pl, stl)
+        return self.launch_flat(
+            stream, T, H, D, T, 0, pv, sv, pb, sv, ps, ss, psb, ss, po, sto, pl, stl, wide
+        )
 
     def torch_call(self, v: Any, s: Any, out: Any, out_lse: Any) -> tuple[Any, Any] | None:
         """The engine call in straight-line code (see ``_MergeTwoPlan.torch_call``); None sends
@@ -706,11 +712,12 @@ class _MergeNPlan(_MergePlan):
             N == 2
             and self.flat_targs is not None
             and D
-            and max((end_v - pv) // self.in_size, (end_s - ps) // 4, (end_o - po) // self.out_size, T * H * D)
-            < _INT32
-            and (out_lse is None or (end_l - pl) // 4 < _INT32)
-            and self.launch_two(_runtime.torch_stream(dev), T, H, D, pv, stv, ps, sts, po, sto, pl, stl)
-        ):
+            and self.launch_two(
+                _runtime.torch_stream(dev), T, H, D, pv, stv, ps, sts, po, sto, pl, stl,
+                max((end_v - pv) // self.in_size, (end_s - ps) // 4, (end_o - po) // self.out_size, T * H * D)
+                >= _INT32 or (out_lse is not None and (end_l - pl) // 4 >= _INT32),
+            )
+        ):  # fmt: skip
             return out, out_lse
         lanes = _lanes_n(D // self.vec, T * H, self.sms)
         self.launch(
@@ -739,9 +746,10 @@ class _MergeNPlan(_MergePlan):
             N == 2
             and self.flat_targs is not None
             and D
-            and widest < _INT32
-            and self.launch_two(call.stream(), T, H, D, v[0], vs, s[0], ss, o[0], os_, ol_ptr, (ol_st, ol_sh))
-        ):
+            and self.launch_two(
+                call.stream(), T, H, D, v[0], vs, s[0], ss, o[0], os_, ol_ptr, (ol_st, ol_sh), widest >= _INT32
+            )
+        ):  # fmt: skip
             return out, out_lse
         lanes = _lanes_n(D // self.vec, T * H, self.sms)
         self.launch(

@@ -14,11 +14,12 @@ from typing import Any
 
 from . import _cache, _dtypes, _kernels, _runtime
 
+_FLAT = ("merge_state_flat_kernel", "merge_state_flat64_kernel")
 # public op -> which kernel instantiations it launches (the compat adapters use the same ones);
 # the empty-row kernel's third template argument is its emptiness rule
 OPS: dict[str, Callable[[_kernels.Kernel, tuple], bool]] = {
-    "merge_state": lambda k, t: k.name in ("merge_state_kernel", "merge_state_flat_kernel"),
-    "merge_states": lambda k, t: k.name in ("merge_states_kernel", "merge_state_flat_kernel"),  # N = 2: flat
+    "merge_state": lambda k, t: k.name in ("merge_state_kernel", *_FLAT),
+    "merge_states": lambda k, t: k.name in ("merge_states_kernel", *_FLAT),  # N = 2: the flat kernels
     "fixup_zero_kv_rows": lambda k, t: k.name == "empty_rows_kernel" and t[2] == _kernels.RULE_KV_LENS_ZERO,
     "mask_empty_context": lambda k, t: (
         k.name == "empty_rows_kernel" and t[2] == _kernels.RULE_CONTEXT_SPAN_EMPTY
