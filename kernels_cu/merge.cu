@@ -238,6 +238,9 @@ __device__ __forceinline__ void merge_flat(
   store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
 }
 
+// The entry points of merge_flat, one per block size and index width. Each spells its
+// parameters out: tests/test_kernels.py holds the descriptions in zerokv/_kernels.py against
+// this text.
 template <typename Tin, typename Tout, int VEC, int SMALL>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_flat_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
@@ -249,6 +252,21 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
     int suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
     float k, float inv_k) {
   merge_flat<Tin, Tout, VEC, SMALL, ZK_BLOCK_merge_state_flat_kernel, int>(
+      va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
+      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+}
+
+// The many-waves form in larger blocks, for grids of 2^21 to 2^24 threads: 0.3-0.8 % faster
+// there than blocks of 128, slower on larger grids (bench/NOTES.md).
+template <typename Tin, typename Tout, int VEC>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_big_kernel) merge_state_flat_big_kernel(
+    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
+    int rows, int H, int packs,
+    unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
+    int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
+    int out_st, int out_sh, int ol_st, int ol_sh,
+    int prefix_rows, int suffix_verbatim, float k, float inv_k) {
+  merge_flat<Tin, Tout, VEC, 0, ZK_BLOCK_merge_state_flat_big_kernel, int>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }

@@ -279,6 +279,35 @@ def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded)
         )
 
 
+def test_calls_of_2_21_threads_take_the_flat_kernel_in_blocks_of_512(recorded):
+    """One thread per pack: 2^21 - 128 threads stay on the 128-thread form (SMALL = 0), 2^21 to
+    2^24 - 128 take the 512-thread one, 2^24 the 128-thread form again, on both paths and both
+    plans; an unaligned call in the window keeps the 128-thread form (the 512-thread one is
+    built for vector packs only)."""
+    H, D = 8, 128  # 16 packs of 8 bf16 per row
+    for T, expected in [
+        (2**14 - 1, ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2**14 - 1)),
+        (2**14, ("merge_state_flat_big_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**12)),
+        (2**17 - 1, ("merge_state_flat_big_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**15)),
+        (2**17, ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2**17)),
+    ]:
+        v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
+        objs = (v_a, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
+        plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+        _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+        assert recorded[-1][:3] == expected
+        v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
+        _both_n(recorded, (v, s, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H), None, None))
+        assert recorded[-1][:3] == expected
+    T = 2**11  # unaligned: packs of one element, 2^21 threads
+    v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
+    odd = torch.empty(T * H * D + 1, dtype=torch.bfloat16)[1:].view(T, H, D)
+    objs = (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
+    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+    _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    assert recorded[-1][:3] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 0), 2**14)
+
+
 def _first_n(objs):
     call = _call.Call("merge_states", objs, ("e", False))
     call.key(merge._aligned_n(call))

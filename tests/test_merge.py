@@ -280,6 +280,25 @@ def test_output_dtype_differs_from_inputs(in_dtype, out_dtype, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T, H", [(4099, 33), (16383, 64)])
+def test_grids_of_2_21_to_2_24_threads_in_blocks_of_512(dtype, T, H):
+    """16-bit calls of 2^21 to 2^24 packs take the flat kernel in blocks of 512 (the first shape
+    ends in a partial block, the second is 1024 packs short of 2^24); two-state merge_states
+    takes it too."""
+    D = 128
+    v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=T + H)
+    out = torch.full_like(v_a, NAN)
+    lse = torch.full_like(s_a, NAN)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
+    _compare(out, lse, v_a, s_a, v_b, s_b, dtype)
+    out.fill_(NAN)
+    lse.fill_(NAN)
+    zerokv.merge_states(torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out=out, out_lse=lse)
+    _compare(out, lse, v_a, s_a, v_b, s_b, dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [8200, 16400], ids=["2GB-spans", "past-int32-elements"])
 def test_spans_past_two_gigabytes_and_past_int32_elements(T):
     """bf16 [T, 128, 1024]. T = 8200: 2.15 GB per tensor in 1.07e9 elements, so the 32-bit

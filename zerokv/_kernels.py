@@ -137,6 +137,16 @@ MERGE_STATE_FLAT = Kernel(
     ),
 )
 
+# The many-waves form (SMALL = 0) in blocks of 512, for grids of 2^21 to 2^24 threads
+# (merge.py picks); aligned calls only.
+MERGE_STATE_FLAT_BIG = Kernel(
+    stem="merge",
+    name="merge_state_flat_big_kernel",
+    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V),
+    block=512,
+    params=MERGE_STATE_FLAT.params,
+)
+
 # The same for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still
 # 32-bit; aligned calls only, and only the form for grids of many waves (SMALL = 0).
 MERGE_STATE_FLAT64 = Kernel(
@@ -233,6 +243,7 @@ CP_FINALIZE = Kernel(
 KERNELS: tuple[Kernel, ...] = (
     MERGE_STATE,
     MERGE_STATE_FLAT,
+    MERGE_STATE_FLAT_BIG,
     MERGE_STATE_FLAT64,
     MERGE_STATES,
     EMPTY_ROWS,

@@ -223,7 +223,7 @@ class _MergePlan:
     the op (``outputs``) and merge_state_flat_kernel, whose launchers are loaded by the first
     call that uses each; ``flat_targs`` None: never."""
 
-    flat: list | None = None  # [large, small, 64-bit] launchers, loaded by the first call of each
+    flat: list | None = None  # a launcher per form of _FLAT_FORMS, loaded by the first call of each
     flat_targs: tuple | None = None
 
     # The fast paths' short keys do not hold the layout, so each plan's fast path takes only
@@ -267,17 +267,22 @@ class _MergePlan:
         32-bit parameter overflows (a size-1 dimension may carry any stride), or, wide, the
         thread index reaches 2^31 or the call is not aligned."""
         packs = D // self.vec
-        blocks = -(-T * H * packs // _FLAT_BLOCK)
-        if wide and (T * H * packs >= _INT32 or self.vec == 1):
-            return False
-        small = int(not wide and blocks <= _FLAT_SMALL_BLOCKS_PER_SM * self.sms)
+        threads = T * H * packs
+        if wide:
+            if threads >= _INT32 or self.vec == 1:
+                return False
+            form = _FLAT_64
+        elif _FLAT_BIG_THREADS[0] <= threads < _FLAT_BIG_THREADS[1] and self.vec > 1:
+            form = _FLAT_BIG
+        else:
+            form = int(-(-threads // _FLAT_BLOCK) <= _FLAT_SMALL_BLOCKS_PER_SM * self.sms)  # SMALL
+        kernel, extra = _FLAT_FORMS[form]
+        blocks = -(-threads // kernel.block)
         if self.flat is None:
-            self.flat = [None, None, None]
-        which = 2 if wide else small
-        launch = self.flat[which]
+            self.flat = [None] * len(_FLAT_FORMS)
+        launch = self.flat[form]
         if launch is None:
-            kernel = _kernels.MERGE_STATE_FLAT64 if wide else _kernels.MERGE_STATE_FLAT
-            launch = self.flat[which] = _plans.launcher(kernel, (*self.flat_targs, small), self.device)
+            launch = self.flat[form] = _plans.launcher(kernel, (*self.flat_targs, *extra), self.device)
         div = _kernels.fast_divisor
         try:
             launch(
@@ -524,6 +529,19 @@ def _fast_checks_two(f: list, prefix_rows: Any) -> bool:
 
 _INT32 = 1 << 31
 _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
+# Calls of this many threads (one per pack), [from, to), take the flat kernel in blocks of 512:
+# measured on an H200 over the grid (bench/NOTES.md), 0.3-0.8 % faster from 2^21 to 2^23
+# threads, even at 2^24, up to 0.5 % slower from 2^25 on.
+_FLAT_BIG_THREADS = (1 << 21, 1 << 24)
+# The flat kernel's forms: (kernel, template arguments after the element types and VEC); the
+# first two are SMALL = 0 and SMALL = 1, so that a form's index is SMALL there.
+_FLAT_FORMS = (
+    (_kernels.MERGE_STATE_FLAT, (0,)),
+    (_kernels.MERGE_STATE_FLAT, (1,)),
+    (_kernels.MERGE_STATE_FLAT64, (0,)),
+    (_kernels.MERGE_STATE_FLAT_BIG, ()),
+)
+_FLAT_64, _FLAT_BIG = 2, 3
 # Grids of at most this many blocks per SM take the flat kernel's SMALL form: measured on an
 # H200 (bench/NOTES.md), 3-6 % faster up to 256 blocks, even at 1024, 4 % slower at 4096.
 _FLAT_SMALL_BLOCKS_PER_SM = 4
