@@ -200,9 +200,9 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
 // place) in the smallest form: one thread per pack of V (thread i: row i / packs, pack i % packs,
 // both without a division), the two V loads and the two LSE loads issued before any arithmetic.
 // The thread of pack 0 writes the row's LSE. I: the type of the strides and of the offsets
-// formed from them; int (merge_state_flat_kernel) when every tensor spans fewer than 2^31
-// elements, else long long (merge_state_flat64_kernel); the thread index is 32-bit in both (the
-// host keeps rows x packs below 2^31).
+// formed from them; int (merge_state_flat_kernel, merge_state_flat_big_kernel) when every
+// tensor spans fewer than 2^31 elements, else long long (merge_state_flat64_kernel); the thread
+// index is 32-bit in all (the host keeps rows x packs below 2^31).
 //
 // SMALL = 1 (grids of a few waves, where a call is latency-bound): no branch before the loads,
 // so every parameter load is issued at once and the V loads go out first; a thread past the

@@ -147,8 +147,8 @@ MERGE_STATE_FLAT_BIG = Kernel(
     params=MERGE_STATE_FLAT.params,
 )
 
-# The same for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still
-# 32-bit; aligned calls only, and only the form for grids of many waves (SMALL = 0).
+# The flat kernel for tensors past 2^31 elements: 64-bit strides and offsets, the thread index
+# still 32-bit; aligned calls only, and only the form for grids of many waves (SMALL = 0).
 MERGE_STATE_FLAT64 = Kernel(
     stem="merge",
     name="merge_state_flat64_kernel",
