@@ -173,19 +173,20 @@ class CudaTimer:
         self.torch.cuda.synchronize()
 
     def time(self, call: Callable[..., Any], sets: Sequence[tuple], nbytes: int = 0) -> Timing:
-        (t,) = self.time_together([(call, sets)])
+        (t,) = self.time_together([(call, sets)], nbytes)
         if isinstance(t, Exception):
             raise t
         return t
 
     def time_together(
-        self, items: Sequence[tuple[Callable[..., Any], Sequence[tuple]]]
+        self, items: Sequence[tuple[Callable[..., Any], Sequence[tuple]]], nbytes: int = 0
     ) -> list[Timing | Exception]:
         """``time`` for several calls (the implementations of one shape): each is warmed up,
         event-timed and captured, then the graphs are replayed in turn, round after round, and
         each call's figure is the median of its rounds. A GPU's clocks and caches drift over a
         run by more than the gaps between small kernels; interleaved, the drift falls on every
-        implementation alike. A call that fails gives its exception in its place."""
+        implementation alike. A call that fails gives its exception in its place. ``nbytes``:
+        what each call moves (only the dry run's synthetic times use it)."""
         torch = self.torch
         prepared: list[_Prepared | Exception] = []
         for call, sets in items:
@@ -323,12 +324,12 @@ class FakeTimer:
         return Timing(us, us + 1.5, {"sets": len(sets), "timed_by": "fake"})
 
     def time_together(
-        self, items: Sequence[tuple[Callable[..., Any], Sequence[tuple]]]
+        self, items: Sequence[tuple[Callable[..., Any], Sequence[tuple]]], nbytes: int = 0
     ) -> list[Timing | Exception]:
         out: list[Timing | Exception] = []
         for call, sets in items:
             try:
-                out.append(self.time(call, sets))
+                out.append(self.time(call, sets, nbytes))
             except Exception as e:
                 out.append(e)
         return out
@@ -399,7 +400,7 @@ class Bench:
         timings = dict(
             zip(
                 todo,
-                self.timer.time_together([(entries[i].call, entries[i].sets) for i in todo]),
+                self.timer.time_together([(entries[i].call, entries[i].sets) for i in todo], nbytes),
                 strict=True,
             )
         )

@@ -57,6 +57,13 @@ def _both(log, fast, slow) -> None:
     assert log[-1] == first
 
 
+def _both_two(log, objs) -> None:
+    """``_both`` for merge_state: a plan built from ``objs``, its fast path, then its validating
+    path on a fresh call."""
+    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
+    _both(log, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+
+
 def _both_n(log, objs) -> None:
     """``_both`` for merge_states: a plan built from ``objs``, its fast path, then its
     validating path on a fresh call."""
@@ -188,8 +195,7 @@ def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded
         (torch.empty(T, H, D, dtype=torch.bfloat16), s_a, (*flat, 1, 0, "int")),  # LSE in place
     ]:
         objs = (v_a, s_a, v_b, s_b, out, out_lse)
-        plan = merge._MergeTwoPlan(_fresh(objs), None, None)
-        _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+        _both_two(recorded, objs)
         assert recorded[-1][1] == targs
     # T = 1: the token stride is never used and may be anything, here past 32 bits
     base = torch.randn(H * D, dtype=torch.bfloat16)
@@ -202,8 +208,7 @@ def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded
         torch.empty(1, H, D, dtype=torch.bfloat16),
         None,
     )
-    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
-    _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    _both_two(recorded, objs)
     assert recorded[-1][:2] == ("merge_state_kernel", (*flat, 1, 0, "int"))
 
 
@@ -216,8 +221,7 @@ def test_tensors_past_two_gigabytes_keep_32_bit_math_below_2_31_elements(recorde
     v_a, v_b, out = (torch.empty(T, H, D, dtype=torch.bfloat16) for _ in range(3))
     s_a, s_b, out_lse = torch.randn(T, H), torch.randn(T, H), torch.empty(T, H)
     objs = (v_a, s_a, v_b, s_b, out, out_lse)
-    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
-    _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    _both_two(recorded, objs)
     assert recorded[-1][:2] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0))
     del v_a, v_b
     # merge_states, N = 2: the states as one [2, T, H, D] tensor of 2^31 + 16384 elements
@@ -236,8 +240,7 @@ def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
     wide = base.as_strided((T, H, D), (2**31, D, 1))
     v_b, s_a, s_b = torch.randn(T, H, D, dtype=torch.bfloat16), torch.randn(T, H), torch.randn(T, H)
     objs = (wide, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
-    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
-    _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    _both_two(recorded, objs)
     name, targs, grid, packed = recorded[-1]
     assert (name, targs, grid) == ("merge_state_flat64_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2)
     assert _kernels.MERGE_STATE_FLAT64.packer.unpack(packed)[17] == 2**31  # va_st, 64-bit
@@ -251,8 +254,7 @@ def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
     # unaligned (V starts one element into the buffer): no vector path, the row-group kernel
     odd = base[1:].as_strided((T, H, D), (2**31, D, 1))
     objs = (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
-    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
-    _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    _both_two(recorded, objs)
     assert recorded[-1][:2] == ("merge_state_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 1, 0, "long long"))
 
 
@@ -263,8 +265,7 @@ def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded)
     for T, small in [(1, 1), (528, 1), (529, 0), (4096, 0)]:
         v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
         objs = (v_a, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
-        plan = merge._MergeTwoPlan(_fresh(objs), None, None)
-        _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+        _both_two(recorded, objs)
         assert recorded[-1][:3] == (
             "merge_state_flat_kernel",
             ("zk_bfloat16", "zk_bfloat16", 8, small),
@@ -293,8 +294,7 @@ def test_calls_of_2_21_threads_take_the_flat_kernel_in_blocks_of_512(recorded):
     ]:
         v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
         objs = (v_a, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
-        plan = merge._MergeTwoPlan(_fresh(objs), None, None)
-        _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+        _both_two(recorded, objs)
         assert recorded[-1][:3] == expected
         v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
         _both_n(recorded, (v, s, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H), None, None))
@@ -303,8 +303,7 @@ def test_calls_of_2_21_threads_take_the_flat_kernel_in_blocks_of_512(recorded):
     v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
     odd = torch.empty(T * H * D + 1, dtype=torch.bfloat16)[1:].view(T, H, D)
     objs = (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
-    plan = merge._MergeTwoPlan(_fresh(objs), None, None)
-    _both(recorded, lambda: plan.torch_call(*objs, None), lambda: plan(_fresh(objs), None, None))
+    _both_two(recorded, objs)
     assert recorded[-1][:3] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 0), 2**14)
 
 

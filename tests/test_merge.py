@@ -303,8 +303,8 @@ def test_grids_of_2_21_to_2_24_threads_in_blocks_of_512(dtype, T, H):
 def test_spans_past_two_gigabytes_and_past_int32_elements(T):
     """bf16 [T, 128, 1024]. T = 8200: 2.15 GB per tensor in 1.07e9 elements, so the 32-bit
     kernels run, with element offsets below 2^31 and byte offsets above; T = 16400: 2.15e9
-    elements, the flat kernel's 64-bit form (64-bit strides and offsets). The sample holds the last rows (the largest offsets), with
-    empty states of NaN V among them."""
+    elements, the flat kernel's 64-bit form (64-bit strides and offsets). The sample holds the
+    last rows (the largest offsets), with empty states of NaN V among them."""
     H, D = 128, 1024
     need = 3 * T * H * D * 2 + T * H * D + 2**30  # V in, out, the NaN-row scan's mask
     if torch.cuda.mem_get_info()[0] < need:

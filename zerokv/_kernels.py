@@ -154,13 +154,7 @@ MERGE_STATE_FLAT64 = Kernel(
     name="merge_state_flat64_kernel",
     instances=tuple((ci, co, vec(i), 0) for ci, i in _V for co, _ in _V),
     block=128,
-    params=_params(
-        "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, i32 H, i32 packs,"
-        " u32 packs_mul, i32 packs_shr, u32 H_mul, i32 H_shr,"
-        " i64 sa_st, i64 sa_sh, i64 sb_st, i64 sb_sh, i64 va_st, i64 va_sh, i64 vb_st, i64 vb_sh,"
-        " i64 out_st, i64 out_sh, i64 ol_st, i64 ol_sh, i32 prefix_rows, i32 suffix_verbatim,"
-        " f32 k, f32 inv_k"
-    ),
+    params=tuple((n, "i64" if n.endswith(("_st", "_sh")) else c) for n, c in MERGE_STATE_FLAT.params),
 )
 
 MERGE_STATES = Kernel(
