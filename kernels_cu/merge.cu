@@ -208,9 +208,11 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
 // so every parameter load is issued at once and the V loads go out first; a thread past the
 // last row loads row 0 (inside the tensors) and stores nothing. 3-6 % faster on small grids,
 // up to 4 % slower on grids of many waves, which take SMALL = 0 and its early return
-// (bench/NOTES.md). In both, nothing branches after the loads either: the stores are
-// predicated instructions, not code a branch jumps over (a branch region there cost up to
-// 0.05 µs of a 1.4 µs call).
+// (bench/NOTES.md). The smallest calls of 16-bit inputs take SMALL = 1 in packs of 8 bytes
+// (VEC 4): twice the threads, each with half the values to widen after its loads arrive. In
+// every form, nothing branches after the loads either: the stores are predicated
+// instructions, not code a branch jumps over (a branch region there cost up to 0.05 µs of a
+// 1.4 µs call).
 template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I>
 __device__ __forceinline__ void merge_flat(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,

@@ -149,6 +149,23 @@ def compat(tag, va, sa, vb, sb, out, lse, cu, kv, cu_kv) -> None:
     run(f"ops.mask {tag}", lambda: ops.mask_empty_context(out, lse, cu, cu_kv))
 
 
+def flat_forms() -> None:
+    """The flat kernel's forms by size, each in a shape whose last block is partial: the smallest
+    calls in 8-byte packs (3 x 7 rows of 16 packs: 2.6 blocks) and calls of 2^21 threads and
+    more in blocks of 512 (2100 x 127 rows of 8 packs: 4167.2 blocks)."""
+    for T, H, D in ((3, 7, 64), (2100, 127, 64)):
+        for dtype in (torch.float16, torch.bfloat16):
+            tag = f"{T}x{H}x{D} {dtype}"
+            v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, DEV, seed=T)
+            out, lse = poison((T, H, D), dtype), ht(poison((T, H)))
+            run(
+                f"merge_state flat {tag}",
+                lambda: zerokv.merge_state(v_a, ht(s_a), v_b, s_b, out=out, out_lse=lse),
+            )
+            v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
+            run(f"merge_states flat {tag}", lambda: zerokv.merge_states(v, s, out=out, out_lse=lse))
+
+
 def lying_offsets() -> None:
     for case in LYING_CASES:
         for index_dtype in case.index_dtypes:
@@ -181,6 +198,7 @@ def lying_offsets() -> None:
 
 def main() -> int:
     valid_inputs()
+    flat_forms()
     lying_offsets()
     torch.cuda.synchronize()
     print(f"sanitize_ops: {calls} calls, {len(raised)} raised")

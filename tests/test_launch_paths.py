@@ -262,7 +262,7 @@ def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded)
     """SMALL = 1 up to 4 x 132 blocks of 128 threads (packs of 8 bf16), SMALL = 0 past it, on
     both paths and both plans."""
     H, D = 8, 128  # 16 packs per row, 8 rows per block: T blocks
-    for T, small in [(1, 1), (528, 1), (529, 0), (4096, 0)]:
+    for T, small in [(5, 1), (528, 1), (529, 0), (4096, 0)]:
         v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
         objs = (v_a, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
         _both_two(recorded, objs)
@@ -278,6 +278,33 @@ def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded)
             ("zk_bfloat16", "zk_bfloat16", 8, small),
             T,
         )
+
+
+def test_the_smallest_16_bit_calls_take_the_small_form_in_8_byte_packs(recorded):
+    """Up to 512 packs of 16 bytes, 16-bit inputs take SMALL = 1 with VEC 4 (twice the threads),
+    any output type, on both paths and both plans; 640 packs take VEC 8; float inputs and
+    unaligned calls never take it."""
+    H, D = 8, 64  # 8 packs of 16 bytes per row
+    for dtype, out_dtype, T, targs, blocks in [
+        (torch.bfloat16, torch.bfloat16, 1, ("zk_bfloat16", "zk_bfloat16", 4, 1), 1),
+        (torch.float16, torch.float16, 8, ("zk_half", "zk_half", 4, 1), 8),  # 512 packs
+        (torch.float16, torch.float32, 8, ("zk_half", "float", 4, 1), 8),
+        (torch.bfloat16, torch.bfloat16, 10, ("zk_bfloat16", "zk_bfloat16", 8, 1), 5),  # 640
+        (torch.float32, torch.float32, 4, ("float", "float", 4, 1), 4),  # 512 packs of 4 floats
+    ]:
+        v_a, s_a, v_b, s_b = _states(T, H, D, dtype, True, 0)
+        out, out_lse = torch.empty(T, H, D, dtype=out_dtype), torch.empty(T, H)
+        _both_two(recorded, (v_a, s_a, v_b, s_b, out, out_lse))
+        assert recorded[-1][:3] == ("merge_state_flat_kernel", targs, blocks)
+        v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
+        _both_n(recorded, (v, s, out, out_lse, None, None))
+        assert recorded[-1][:3] == ("merge_state_flat_kernel", targs, blocks)
+    T = 1  # unaligned: packs of one element
+    v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
+    odd = torch.empty(T * H * D + 1, dtype=torch.bfloat16)[1:].view(T, H, D)
+    objs = (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
+    _both_two(recorded, objs)
+    assert recorded[-1][:3] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 1), 4)
 
 
 def test_calls_of_2_21_threads_take_the_flat_kernel_in_blocks_of_512(recorded):

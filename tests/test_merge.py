@@ -280,6 +280,29 @@ def test_output_dtype_differs_from_inputs(in_dtype, out_dtype, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype, out_dtype", [
+    (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float16, torch.float32),
+])  # fmt: skip
+@pytest.mark.parametrize("T, H, D", [(1, 32, 128), (8, 8, 64), (3, 7, 64)])
+def test_the_smallest_calls_in_8_byte_packs(dtype, out_dtype, T, H, D):
+    """16-bit calls of at most 512 packs of 16 bytes take the flat kernel in packs of 8 bytes:
+    exactly 512 packs, and 168 (a partial block); the first rows empty in a, in b, in both, with
+    NaN V, so that every shape holds those edges; two-state merge_states takes it too."""
+    v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=T * H + D)
+    s_a[0, 0], v_a[0, 0] = -INF, NAN
+    s_b[0, 1], v_b[0, 1] = INF, NAN
+    s_a[0, 2], v_a[0, 2], s_b[0, 2], v_b[0, 2] = -INF, NAN, -INF, NAN
+    out = torch.full((T, H, D), NAN, dtype=out_dtype, device="cuda")
+    lse = torch.full_like(s_a, NAN)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
+    _compare(out, lse, v_a, s_a, v_b, s_b, out_dtype)
+    out.fill_(NAN)
+    lse.fill_(NAN)
+    zerokv.merge_states(torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out=out, out_lse=lse)
+    _compare(out, lse, v_a, s_a, v_b, s_b, out_dtype)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("T, H", [(4099, 33), (16383, 64)])
 def test_grids_of_2_21_to_2_24_threads_in_blocks_of_512(dtype, T, H):

@@ -123,10 +123,12 @@ MERGE_STATE = Kernel(
 MERGE_STATE_FLAT = Kernel(
     stem="merge",
     name="merge_state_flat_kernel",
-    # no fp8 output; SMALL: 1 for grids of a few waves (merge.py picks)
+    # no fp8 output; SMALL: 1 for grids of a few waves (merge.py picks); 16-bit inputs also in
+    # 8-byte packs for the smallest calls (SMALL only)
     instances=tuple(
         (ci, co, v, small) for ci, i in _V for co, _ in _V for v in (1, vec(i)) for small in (0, 1)
-    ),
+    )
+    + tuple((ci, co, vec(i) // 2, 1) for ci, i in _V if vec(i) == 8 for co, _ in _V),
     block=128,
     params=_params(
         "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, i32 H, i32 packs,"

@@ -266,14 +266,17 @@ class _MergePlan:
         elements or more (64-bit offsets). False when the call does not fit the kernel: a
         32-bit parameter overflows (a size-1 dimension may carry any stride), or, wide, the
         thread index reaches 2^31 or the call is not aligned."""
-        packs = D // self.vec
+        vec = self.vec
+        packs = D // vec
         threads = T * H * packs
         if wide:
-            if threads >= _INT32 or self.vec == 1:
+            if threads >= _INT32 or vec == 1:
                 return False
             form = _FLAT_64
-        elif _FLAT_BIG_THREADS[0] <= threads < _FLAT_BIG_THREADS[1] and self.vec > 1:
+        elif _FLAT_BIG_THREADS[0] <= threads < _FLAT_BIG_THREADS[1] and vec > 1:
             form = _FLAT_BIG
+        elif threads <= _FLAT_NARROW_PACKS and vec == 8:
+            form, vec, packs, threads = _FLAT_NARROW, 4, 2 * packs, 2 * threads
         else:
             form = int(-(-threads // _FLAT_BLOCK) <= _FLAT_SMALL_BLOCKS_PER_SM * self.sms)  # SMALL
         kernel, extra = _FLAT_FORMS[form]
@@ -282,7 +285,8 @@ class _MergePlan:
             self.flat = [None] * len(_FLAT_FORMS)
         launch = self.flat[form]
         if launch is None:
-            launch = self.flat[form] = _plans.launcher(kernel, (*self.flat_targs, *extra), self.device)
+            targs = (*self.flat_targs[:2], vec, *extra)
+            launch = self.flat[form] = _plans.launcher(kernel, targs, self.device)
         div = _kernels.fast_divisor
         try:
             launch(
@@ -533,15 +537,22 @@ _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 # measured on an H200 over the grid (bench/NOTES.md), 0.3-0.8 % faster from 2^21 to 2^23
 # threads, even at 2^24, up to 0.5 % slower from 2^25 on.
 _FLAT_BIG_THREADS = (1 << 21, 1 << 24)
+# Calls of 16-bit inputs of at most this many 16-byte packs take the SMALL form in 8-byte packs
+# (twice the threads, each with half the values to widen and merge after its loads arrive):
+# measured on an H200 (bench/NOTES.md), 0.005-0.025 µs faster up to 512 packs, even or slower
+# from 1024.
+_FLAT_NARROW_PACKS = 512
 # The flat kernel's forms: (kernel, template arguments after the element types and VEC); the
-# first two are SMALL = 0 and SMALL = 1, so that a form's index is SMALL there.
+# first two are SMALL = 0 and SMALL = 1, so that a form's index is SMALL there; the last is
+# SMALL = 1 in 8-byte packs.
 _FLAT_FORMS = (
     (_kernels.MERGE_STATE_FLAT, (0,)),
     (_kernels.MERGE_STATE_FLAT, (1,)),
     (_kernels.MERGE_STATE_FLAT64, (0,)),
     (_kernels.MERGE_STATE_FLAT_BIG, ()),
+    (_kernels.MERGE_STATE_FLAT, (1,)),
 )
-_FLAT_64, _FLAT_BIG = 2, 3
+_FLAT_64, _FLAT_BIG, _FLAT_NARROW = 2, 3, 4
 # Grids of at most this many blocks per SM take the flat kernel's SMALL form: measured on an
 # H200 (bench/NOTES.md), 3-6 % faster up to 256 blocks, even at 1024, 4 % slower at 4096.
 _FLAT_SMALL_BLOCKS_PER_SM = 4
