@@ -213,6 +213,55 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
 // every form, nothing branches after the loads either: the stores are predicated
 // instructions, not code a branch jumps over (a branch region there cost up to 0.05 µs of a
 // 1.4 µs call).
+// The output LSE of row (t, h) of the flat kernel: what merge_flat computes for the row.
+__device__ __forceinline__ float flat_row_lse(int t, float la, float lb, int prefix_rows, int suffix_verbatim,
+                                              float k, float inv_k) {
+  const float lse = combine2<true>(t < prefix_rows ? la : neg_inf(), lb, k, inv_k).lse;
+  return t >= prefix_rows && suffix_verbatim ? lb : lse;
+}
+
+// The output LSEs of many waves, one 32-byte sector per thread: the rows beside each other
+// along out_lse's unit-stride axis (heads, else tokens) go in groups of 8, and the pack-0
+// thread of a group's first row computes the other rows' LSEs too (their inputs lie in the
+// sectors of its own, for LSEs in the output's layout) and writes the group in two 16-byte
+// stores. Row by row, a sector took 8 partial writes from up to 8 SMs at once, which cost
+// 0.3-0.5 % of the kernel's time with a [T, H] LSE (bench/NOTES.md). An out_lse with neither
+// axis unit-stride is written row by row. The caller is the live pack-0 thread of row (t, h).
+template <typename I>
+__device__ __forceinline__ void store_lse_group(const float* sa, const float* sb, float* olse, int rows, int H,
+                                                unsigned H_mul, int H_shr, int t, int h, float lse, I sa_st,
+                                                I sa_sh, I sb_st, I sb_sh, I ol_st, I ol_sh, int prefix_rows,
+                                                int suffix_verbatim, float k, float inv_k) {
+  float* q = olse + ((I)t * ol_st + (I)h * ol_sh);
+  const bool by_head = ol_sh == 1 && H > 1, by_token = !by_head && ol_st == 1;
+  if (!by_head && !by_token) {
+    *q = lse;
+    return;
+  }
+  const int at = by_head ? h : t;
+  if (at & 7) return;  // written by the group's first row
+  const int n = min(8, by_head ? H - h : (int)fast_div((unsigned)rows, H_mul, H_shr) - t);
+  float v[8];
+  v[0] = lse;
+#pragma unroll
+  for (int j = 1; j < 8; ++j) {
+    const int tj = by_head ? t : t + (j < n ? j : 0), hj = by_head ? h + (j < n ? j : 0) : h;
+    const float la = __ldg(sa + ((I)tj * sa_st + (I)hj * sa_sh));
+    const float lb = __ldg(sb + ((I)tj * sb_st + (I)hj * sb_sh));
+    v[j] = flat_row_lse(tj, la, lb, prefix_rows, suffix_verbatim, k, inv_k);
+  }
+  if (n == 8 && (reinterpret_cast<unsigned long long>(q) & 15) == 0) {
+    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(q), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
+                 : "memory");
+    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(q + 4), "f"(v[4]), "f"(v[5]), "f"(v[6]),
+                 "f"(v[7]) : "memory");
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j < n) q[j] = v[j];
+  }
+}
+
 template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I>
 __device__ __forceinline__ void merge_flat(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
@@ -237,7 +286,12 @@ __device__ __forceinline__ void merge_flat(
   c.cb = verbatim ? 1.f : c.cb;
   c.lse = verbatim ? lb : c.lse;
   store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + d), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
-  store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
+  if constexpr (SMALL) {
+    store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
+  } else if (p == 0 && olse != nullptr) {  // live: the others returned
+    store_lse_group<I>(sa, sb, olse, rows, H, H_mul, H_shr, t32, (int)h, c.lse, sa_st, sa_sh, sb_st, sb_sh, ol_st,
+                       ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+  }
 }
 
 // The entry points of merge_flat, one per block size and index width. Each spells its

@@ -157,11 +157,13 @@ def flat_forms() -> None:
         for dtype in (torch.float16, torch.bfloat16):
             tag = f"{T}x{H}x{D} {dtype}"
             v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, DEV, seed=T)
-            out, lse = poison((T, H, D), dtype), ht(poison((T, H)))
-            run(
-                f"merge_state flat {tag}",
-                lambda: zerokv.merge_state(v_a, ht(s_a), v_b, s_b, out=out, out_lse=lse),
-            )
+            out = poison((T, H, D), dtype)
+            # out_lse with heads, tokens, or neither unit-stride (many waves write it by groups)
+            for lse in (poison((T, H)), ht(poison((T, H))), poison((T, H, 2))[..., 1]):
+                run(
+                    f"merge_state flat {tag} out_lse strides {lse.stride()}",
+                    lambda: zerokv.merge_state(v_a, ht(s_a), v_b, s_b, out=out, out_lse=lse),
+                )
             v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
             run(f"merge_states flat {tag}", lambda: zerokv.merge_states(v, s, out=out, out_lse=lse))
 

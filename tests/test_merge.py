@@ -10,6 +10,7 @@ from states import INF, NAN, make_states
 
 import zerokv
 from zerokv import reference
+from zerokv.compat import vllm
 
 # --- the reference is the specification: check it against independent closed forms ---------
 
@@ -300,6 +301,49 @@ def test_the_smallest_calls_in_8_byte_packs(dtype, out_dtype, T, H, D):
     lse.fill_(NAN)
     zerokv.merge_states(torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out=out, out_lse=lse)
     _compare(out, lse, v_a, s_a, v_b, s_b, out_dtype)
+
+
+def _lse_layout(T: int, H: int, kind: str) -> torch.Tensor:
+    """A NaN-filled ``[T, H]`` out_lse in a layout: contiguous, an ``[H, T]`` buffer as ``.T``,
+    padded along either axis, or with neither axis unit-stride."""
+    full = lambda *shape: torch.full(shape, NAN, device="cuda")  # noqa: E731
+    return {
+        "TH": lambda: full(T, H),
+        "HT": lambda: full(H, T).T,
+        "TH-padded": lambda: full(T, H + 5)[:, :H],
+        "HT-padded": lambda: full(H, T + 3)[:, :T].T,
+        "strided": lambda: full(T, H, 2)[..., 1],
+    }[kind]()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["TH", "HT", "TH-padded", "HT-padded", "strided"])
+@pytest.mark.parametrize("T, H", [(4099, 12), (1029, 83)])
+def test_many_waves_write_every_lse_once_in_every_layout(kind, T, H):
+    """Grids of many waves write the output LSE in groups of 8 rows along its unit-stride axis:
+    groups cut short by H or T (12 and 83 heads, 4099 and 1029 tokens), padded axes, an out_lse
+    with no unit-stride axis (row by row), the suffix past prefix_rows by the empty rule and,
+    through vLLM's adapter, verbatim. Every row is checked: one left unwritten stays NaN."""
+    D = 64
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, "cuda", seed=T + H)
+    s_b_ht = s_b.T.contiguous().T  # the inputs' LSEs in both layouts
+    ref = {
+        p: reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)), prefix_rows=p)
+        for p in (None, T // 3)
+    }
+    for prefix, (ref_out, ref_lse) in ref.items():
+        out, lse = torch.full_like(v_a, NAN), _lse_layout(T, H, kind)
+        zerokv.merge_state(v_a, s_a, v_b, s_b_ht, out=out, out_lse=lse, prefix_rows=prefix)
+        assert_close(out, ref_out, torch.bfloat16, "out")
+        assert_close(lse, ref_lse, torch.float32, "lse")
+    out, lse = torch.full_like(v_a, NAN), _lse_layout(T, H, kind)
+    vllm.merge_attn_states(out, v_a, s_a.T, v_b, s_b.T, lse.T, T // 3)
+    ref_out, ref_lse = reference.merge_state(
+        *(f64(x) for x in (v_a, s_a, v_b, s_b)), prefix_rows=T // 3, suffix_verbatim=True
+    )
+    assert_close(out, ref_out, torch.bfloat16, "out")
+    assert_close(lse, ref_lse, torch.float32, "lse")
+    assert torch.equal(lse[T // 3 :], s_b[T // 3 :]), "the suffix's LSE is not copied verbatim"
 
 
 @pytest.mark.gpu
