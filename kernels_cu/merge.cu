@@ -220,20 +220,23 @@ __device__ __forceinline__ float flat_row_lse(int t, float la, float lb, int pre
   return t >= prefix_rows && suffix_verbatim ? lb : lse;
 }
 
-// The output LSEs of many waves, one 32-byte sector per thread: the rows beside each other
-// along out_lse's unit-stride axis (heads, else tokens) go in groups of 8, and the pack-0
+// The output LSEs of the largest calls, one 32-byte sector per thread: the rows beside each
+// other along out_lse's unit-stride axis (heads, else tokens) go in groups of 8, and the pack-0
 // thread of a group's first row computes the other rows' LSEs too (their inputs lie in the
 // sectors of its own, for LSEs in the output's layout) and writes the group in two 16-byte
-// stores. Row by row, a sector took 8 partial writes from up to 8 SMs at once, which cost
-// 0.3-0.5 % of the kernel's time with a [T, H] LSE (bench/NOTES.md). An out_lse with neither
-// axis unit-stride is written row by row. The caller is the live pack-0 thread of row (t, h).
+// stores. Row by row, a sector takes 8 partial writes from up to 8 SMs: 0.2-0.6 % of the time
+// of calls past 2^24 threads; below that, the group's second round trip to memory costs more
+// than it saves (bench/NOTES.md). An out_lse with neither axis unit-stride is written row by
+// row. The caller is the live pack-0 thread of row (t, h).
 template <typename I>
 __device__ __forceinline__ void store_lse_group(const float* sa, const float* sb, float* olse, int rows, int H,
-                                                unsigned H_mul, int H_shr, int t, int h, float lse, I sa_st,
-                                                I sa_sh, I sb_st, I sb_sh, I ol_st, I ol_sh, int prefix_rows,
-                                                int suffix_verbatim, float k, float inv_k) {
+                                                int packs, unsigned H_mul, int H_shr, int t, int h, float lse,
+                                                I sa_st, I sa_sh, I sb_st, I sb_sh, I ol_st, I ol_sh,
+                                                int prefix_rows, int suffix_verbatim, float k, float inv_k) {
   float* q = olse + ((I)t * ol_st + (I)h * ol_sh);
-  const bool by_head = ol_sh == 1 && H > 1, by_token = !by_head && ol_st == 1;
+  // along heads only when a block of 128 holds at most 8 rows: with more, a group's rows lie in
+  // one block and row-by-row writes measured faster
+  const bool by_head = ol_sh == 1 && H > 1 && packs >= 16, by_token = !by_head && ol_st == 1;
   if (!by_head && !by_token) {
     *q = lse;
     return;
@@ -262,7 +265,7 @@ __device__ __forceinline__ void store_lse_group(const float* sa, const float* sb
   }
 }
 
-template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I>
+template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I, int GROUPS = 0>
 __device__ __forceinline__ void merge_flat(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs, unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
@@ -286,11 +289,12 @@ __device__ __forceinline__ void merge_flat(
   c.cb = verbatim ? 1.f : c.cb;
   c.lse = verbatim ? lb : c.lse;
   store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + d), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
-  if constexpr (SMALL) {
+  if constexpr (GROUPS) {
+    if (p == 0 && olse != nullptr)  // live: the others returned (GROUPS implies SMALL = 0)
+      store_lse_group<I>(sa, sb, olse, rows, H, packs, H_mul, H_shr, t32, (int)h, c.lse, sa_st, sa_sh, sb_st, sb_sh,
+                         ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+  } else {
     store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
-  } else if (p == 0 && olse != nullptr) {  // live: the others returned
-    store_lse_group<I>(sa, sb, olse, rows, H, H_mul, H_shr, t32, (int)h, c.lse, sa_st, sa_sh, sb_st, sb_sh, ol_st,
-                       ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
   }
 }
 
@@ -323,6 +327,22 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_big_kernel) merge_st
     int out_st, int out_sh, int ol_st, int ol_sh,
     int prefix_rows, int suffix_verbatim, float k, float inv_k) {
   merge_flat<Tin, Tout, VEC, 0, ZK_BLOCK_merge_state_flat_big_kernel, int>(
+      va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
+      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+}
+
+// The many-waves form for calls past 2^24 threads, its output LSE written by groups
+// (store_lse_group); held to 32 registers, 16 blocks per SM, which the group code would lower
+// to 12 for bf16.
+template <typename Tin, typename Tout, int VEC>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_grouped_kernel, 16) merge_state_flat_grouped_kernel(
+    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
+    int rows, int H, int packs,
+    unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
+    int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
+    int out_st, int out_sh, int ol_st, int ol_sh,
+    int prefix_rows, int suffix_verbatim, float k, float inv_k) {
+  merge_flat<Tin, Tout, VEC, 0, ZK_BLOCK_merge_state_flat_grouped_kernel, int, 1>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }

@@ -151,9 +151,11 @@ def compat(tag, va, sa, vb, sb, out, lse, cu, kv, cu_kv) -> None:
 
 def flat_forms() -> None:
     """The flat kernel's forms by size, each in a shape whose last block is partial: the smallest
-    calls in 8-byte packs (3 x 7 rows of 16 packs: 2.6 blocks) and calls of 2^21 threads and
-    more in blocks of 512 (2100 x 127 rows of 8 packs: 4167.2 blocks)."""
-    for T, H, D in ((3, 7, 64), (2100, 127, 64)):
+    calls in 8-byte packs (3 x 7 rows of 16 packs: 2.6 blocks), calls of 2^21 threads and more
+    in blocks of 512 (2100 x 127 rows of 8 packs: 4167.2 blocks), and past 2^24 threads the
+    form that writes the output LSE by groups of 8 rows (8201 x 129 rows of 16 packs: groups
+    of heads and of tokens cut short)."""
+    for T, H, D in ((3, 7, 64), (2100, 127, 64), (8201, 129, 128)):
         for dtype in (torch.float16, torch.bfloat16):
             tag = f"{T}x{H}x{D} {dtype}"
             v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, DEV, seed=T)

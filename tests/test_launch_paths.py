@@ -214,20 +214,20 @@ def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded
 
 def test_tensors_past_two_gigabytes_keep_32_bit_math_below_2_31_elements(recorded):
     """bf16 V of 2^30 + 8192 elements (2^31 + 16384 bytes): every element offset fits 32 bits,
-    so the flat kernel runs (its offsets are elements, not bytes), on both paths of merge_state
-    and of a two-state merge_states. The tensors are never written, so their pages are never
-    touched."""
+    so a 32-bit flat kernel runs (its offsets are elements, not bytes; past 2^24 threads, the
+    form that writes the output LSE by groups), on both paths of merge_state and of a two-state
+    merge_states. The tensors are never written, so their pages are never touched."""
     T, H, D = 2**20 + 8, 8, 128
     v_a, v_b, out = (torch.empty(T, H, D, dtype=torch.bfloat16) for _ in range(3))
     s_a, s_b, out_lse = torch.randn(T, H), torch.randn(T, H), torch.empty(T, H)
     objs = (v_a, s_a, v_b, s_b, out, out_lse)
     _both_two(recorded, objs)
-    assert recorded[-1][:2] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0))
+    assert recorded[-1][:2] == ("merge_state_flat_grouped_kernel", ("zk_bfloat16", "zk_bfloat16", 8))
     del v_a, v_b
     # merge_states, N = 2: the states as one [2, T, H, D] tensor of 2^31 + 16384 elements
     v, s = torch.empty(2, T // 2, H, D, dtype=torch.bfloat16), torch.randn(2, T // 2, H)
     _both_n(recorded, (v, s, out[: T // 2], out_lse[: T // 2], None, None))
-    assert recorded[-1][:2] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0))
+    assert recorded[-1][:2] == ("merge_state_flat_grouped_kernel", ("zk_bfloat16", "zk_bfloat16", 8))
 
 
 def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
@@ -309,15 +309,15 @@ def test_the_smallest_16_bit_calls_take_the_small_form_in_8_byte_packs(recorded)
 
 def test_calls_of_2_21_threads_take_the_flat_kernel_in_blocks_of_512(recorded):
     """One thread per pack: 2^21 - 128 threads stay on the 128-thread form (SMALL = 0), 2^21 to
-    2^24 - 128 take the 512-thread one, 2^24 the 128-thread form again, on both paths and both
-    plans; an unaligned call in the window keeps the 128-thread form (the 512-thread one is
-    built for vector packs only)."""
+    2^24 - 128 take the 512-thread one, 2^24 the 128-thread form that writes the output LSE by
+    groups, on both paths and both plans; an unaligned call in the window keeps the 128-thread
+    form (the 512-thread one is built for vector packs only), and one past it does not group."""
     H, D = 8, 128  # 16 packs of 8 bf16 per row
     for T, expected in [
         (2**14 - 1, ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2**14 - 1)),
         (2**14, ("merge_state_flat_big_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**12)),
         (2**17 - 1, ("merge_state_flat_big_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**15)),
-        (2**17, ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2**17)),
+        (2**17, ("merge_state_flat_grouped_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**17)),
     ]:
         v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
         objs = (v_a, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
@@ -332,6 +332,12 @@ def test_calls_of_2_21_threads_take_the_flat_kernel_in_blocks_of_512(recorded):
     objs = (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
     _both_two(recorded, objs)
     assert recorded[-1][:3] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 0), 2**14)
+    T = 2**14  # unaligned, 2^24 threads
+    v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
+    odd = torch.empty(T * H * D + 1, dtype=torch.bfloat16)[1:].view(T, H, D)
+    objs = (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
+    _both_two(recorded, objs)
+    assert recorded[-1][:3] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 0), 2**17)
 
 
 def _first_n(objs):

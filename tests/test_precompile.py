@@ -38,6 +38,8 @@ def test_bf16_merge_state_builds_bf16_in_and_out_only(fake_device):
     expected = [("merge_state_kernel", e, 3) for e in _where(_kernels.MERGE_STATE, bf16)]
     expected += [("merge_state_flat_kernel", e, 3) for e in _where(_kernels.MERGE_STATE_FLAT, bf16)]
     expected += [("merge_state_flat_big_kernel", e, 3) for e in _where(_kernels.MERGE_STATE_FLAT_BIG, bf16)]
+    grouped = _where(_kernels.MERGE_STATE_FLAT_GROUPED, bf16)
+    expected += [("merge_state_flat_grouped_kernel", e, 3) for e in grouped]
     expected += [("merge_state_flat64_kernel", e, 3) for e in _where(_kernels.MERGE_STATE_FLAT64, bf16)]
     assert fake_device == expected
     assert n == len(expected) >= 2  # a vector and a scalar path at least
@@ -49,6 +51,7 @@ def test_dtypes_select_every_combination_among_them(fake_device):
     pairs = {("zk_bfloat16", "zk_bfloat16"), ("zk_bfloat16", "zk_fp8_e4m3")}
     expected = _where(_kernels.MERGE_STATE_FLAT, lambda t: t[:2] in pairs)  # two states: the flat kernels
     expected += _where(_kernels.MERGE_STATE_FLAT_BIG, lambda t: t[:2] in pairs)
+    expected += _where(_kernels.MERGE_STATE_FLAT_GROUPED, lambda t: t[:2] in pairs)
     expected += _where(_kernels.MERGE_STATE_FLAT64, lambda t: t[:2] in pairs)
     expected += _where(_kernels.MERGE_STATES, lambda t: t[:2] in pairs)
     assert [e for _, e, _ in fake_device] == expected

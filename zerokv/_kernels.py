@@ -149,6 +149,16 @@ MERGE_STATE_FLAT_BIG = Kernel(
     params=MERGE_STATE_FLAT.params,
 )
 
+# The many-waves form for calls past 2^24 threads, writing the output LSE by groups of 8 rows
+# (merge.py picks); aligned calls only.
+MERGE_STATE_FLAT_GROUPED = Kernel(
+    stem="merge",
+    name="merge_state_flat_grouped_kernel",
+    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V),
+    block=128,
+    params=MERGE_STATE_FLAT.params,
+)
+
 # The flat kernel for tensors past 2^31 elements: 64-bit strides and offsets, the thread index
 # still 32-bit; aligned calls only, and only the form for grids of many waves (SMALL = 0).
 MERGE_STATE_FLAT64 = Kernel(
@@ -240,6 +250,7 @@ KERNELS: tuple[Kernel, ...] = (
     MERGE_STATE,
     MERGE_STATE_FLAT,
     MERGE_STATE_FLAT_BIG,
+    MERGE_STATE_FLAT_GROUPED,
     MERGE_STATE_FLAT64,
     MERGE_STATES,
     EMPTY_ROWS,

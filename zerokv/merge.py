@@ -275,6 +275,8 @@ class _MergePlan:
             form = _FLAT_64
         elif _FLAT_BIG_THREADS[0] <= threads < _FLAT_BIG_THREADS[1] and vec > 1:
             form = _FLAT_BIG
+        elif threads >= _FLAT_BIG_THREADS[1] and vec > 1:
+            form = _FLAT_GROUPED
         elif threads <= _FLAT_NARROW_PACKS and vec == 8:
             form, vec, packs, threads = _FLAT_NARROW, 4, 2 * packs, 2 * threads
         else:
@@ -535,7 +537,8 @@ _INT32 = 1 << 31
 _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 # Calls of this many threads (one per pack), [from, to), take the flat kernel in blocks of 512:
 # measured on an H200 over the grid (bench/NOTES.md), 0.3-0.8 % faster from 2^21 to 2^23
-# threads, even at 2^24, up to 0.5 % slower from 2^25 on.
+# threads, even at 2^24, up to 0.5 % slower from 2^25 on. Aligned calls from the upper bound on
+# take the form that writes the output LSE by groups (0.2-0.6 % faster there, slower below).
 _FLAT_BIG_THREADS = (1 << 21, 1 << 24)
 # Calls of 16-bit inputs of at most this many 16-byte packs take the SMALL form in 8-byte packs
 # (twice the threads, each with half the values to widen and merge after its loads arrive):
@@ -551,8 +554,9 @@ _FLAT_FORMS = (
     (_kernels.MERGE_STATE_FLAT64, (0,)),
     (_kernels.MERGE_STATE_FLAT_BIG, ()),
     (_kernels.MERGE_STATE_FLAT, (1,)),
+    (_kernels.MERGE_STATE_FLAT_GROUPED, ()),
 )
-_FLAT_64, _FLAT_BIG, _FLAT_NARROW = 2, 3, 4
+_FLAT_64, _FLAT_BIG, _FLAT_NARROW, _FLAT_GROUPED = 2, 3, 4, 5
 # Grids of at most this many blocks per SM take the flat kernel's SMALL form: measured on an
 # H200 (bench/NOTES.md), 3-6 % faster up to 256 blocks, even at 1024, 4 % slower at 4096.
 _FLAT_SMALL_BLOCKS_PER_SM = 4

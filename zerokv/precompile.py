@@ -14,7 +14,12 @@ from typing import Any
 
 from . import _cache, _dtypes, _kernels, _runtime
 
-_FLAT = ("merge_state_flat_kernel", "merge_state_flat_big_kernel", "merge_state_flat64_kernel")
+_FLAT = (
+    "merge_state_flat_kernel",
+    "merge_state_flat_big_kernel",
+    "merge_state_flat_grouped_kernel",
+    "merge_state_flat64_kernel",
+)
 # public op -> which kernel instantiations it launches (the compat adapters use the same ones);
 # the empty-row kernel's third template argument is its emptiness rule
 OPS: dict[str, Callable[[_kernels.Kernel, tuple], bool]] = {
