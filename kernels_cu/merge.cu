@@ -227,9 +227,10 @@ __device__ __forceinline__ float flat_row_lse(int t, float la, float lb, int pre
 // stores. Row by row, a sector takes 8 partial writes from up to 8 SMs: 0.2-0.6 % of the time
 // of calls past 2^24 threads; below that, the group's second round trip to memory costs more
 // than it saves (bench/NOTES.md). An out_lse with neither axis unit-stride is written row by
-// row. The caller is the live pack-0 thread of row (t, h).
+// row. The caller is the live pack-0 thread of row (t, h). Not inlined: inlined, its registers
+// moved the kernel's V loads behind the LSE arithmetic (two round trips to memory, 3 % slower).
 template <typename I>
-__device__ __forceinline__ void store_lse_group(const float* sa, const float* sb, float* olse, int rows, int H,
+__device__ __noinline__ void store_lse_group(const float* sa, const float* sb, float* olse, int rows, int H,
                                                 int packs, unsigned H_mul, int H_shr, int t, int h, float lse,
                                                 I sa_st, I sa_sh, I sb_st, I sb_sh, I ol_st, I ol_sh,
                                                 int prefix_rows, int suffix_verbatim, float k, float inv_k) {
@@ -332,8 +333,8 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_big_kernel) merge_st
 }
 
 // The many-waves form for calls past 2^24 threads, its output LSE written by groups
-// (store_lse_group); held to 32 registers, 16 blocks per SM, which the group code would lower
-// to 12 for bf16.
+// (store_lse_group); held to 32 registers, 16 blocks per SM (inlined, the group code took 40
+// for bf16: 12 blocks per SM, 2-3 % slower).
 template <typename Tin, typename Tout, int VEC>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_grouped_kernel, 16) merge_state_flat_grouped_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
