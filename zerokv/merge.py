@@ -546,8 +546,8 @@ _FLAT_BIG_THREADS = (1 << 21, 1 << 24)
 # from 1024.
 _FLAT_NARROW_PACKS = 512
 # The flat kernel's forms: (kernel, template arguments after the element types and VEC); the
-# first two are SMALL = 0 and SMALL = 1, so that a form's index is SMALL there; the last is
-# SMALL = 1 in 8-byte packs.
+# first two are SMALL = 0 and SMALL = 1, so that a form's index is SMALL there; _FLAT_NARROW is
+# SMALL = 1 launched with VEC halved (8-byte packs).
 _FLAT_FORMS = (
     (_kernels.MERGE_STATE_FLAT, (0,)),
     (_kernels.MERGE_STATE_FLAT, (1,)),
