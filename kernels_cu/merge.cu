@@ -196,23 +196,6 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
   if (write && col == 0 && olse != nullptr) olse[t * (I)ol_st + h * (I)ol_sh] = c.lse;
 }
 
-// The engine's common call (no a_empty, row mask, sinks or fp8 scale; out_lse not written in
-// place) in the smallest form: one thread per pack of V (thread i: row i / packs, pack i % packs,
-// both without a division), the two V loads and the two LSE loads issued before any arithmetic.
-// The thread of pack 0 writes the row's LSE. I: the type of the strides and of the offsets
-// formed from them; int (merge_state_flat_kernel, merge_state_flat_big_kernel) when every
-// tensor spans fewer than 2^31 elements, else long long (merge_state_flat64_kernel); the thread
-// index is 32-bit in all (the host keeps rows x packs below 2^31).
-//
-// SMALL = 1 (grids of a few waves, where a call is latency-bound): no branch before the loads,
-// so every parameter load is issued at once and the V loads go out first; a thread past the
-// last row loads row 0 (inside the tensors) and stores nothing. 3-6 % faster on small grids,
-// up to 4 % slower on grids of many waves, which take SMALL = 0 and its early return
-// (bench/NOTES.md). The smallest calls of 16-bit inputs take SMALL = 1 in packs of 8 bytes
-// (VEC 4): twice the threads, each with half the values to widen after its loads arrive. In
-// every form, nothing branches after the loads either: the stores are predicated
-// instructions, not code a branch jumps over (a branch region there cost up to 0.05 µs of a
-// 1.4 µs call).
 // The output LSE of row (t, h) of the flat kernel: what merge_flat computes for the row.
 __device__ __forceinline__ float flat_row_lse(int t, float la, float lb, int prefix_rows, int suffix_verbatim,
                                               float k, float inv_k) {
@@ -230,10 +213,10 @@ __device__ __forceinline__ float flat_row_lse(int t, float la, float lb, int pre
 // row. The caller is the live pack-0 thread of row (t, h). Not inlined: inlined, its registers
 // moved the kernel's V loads behind the LSE arithmetic (two round trips to memory, 3 % slower).
 template <typename I>
-__device__ __noinline__ void store_lse_group(const float* sa, const float* sb, float* olse, int rows, int H,
-                                                int packs, unsigned H_mul, int H_shr, int t, int h, float lse,
-                                                I sa_st, I sa_sh, I sb_st, I sb_sh, I ol_st, I ol_sh,
-                                                int prefix_rows, int suffix_verbatim, float k, float inv_k) {
+__device__ __noinline__ void store_lse_group(const float* sa, const float* sb, float* olse, int rows, int H, int packs,
+                                             unsigned H_mul, int H_shr, int t, int h, float lse, I sa_st, I sa_sh,
+                                             I sb_st, I sb_sh, I ol_st, I ol_sh, int prefix_rows,
+                                             int suffix_verbatim, float k, float inv_k) {
   float* q = olse + ((I)t * ol_st + (I)h * ol_sh);
   // along heads only when a block of 128 holds at most 8 rows: with more, a group's rows lie in
   // one block and row-by-row writes measured faster
@@ -266,6 +249,23 @@ __device__ __noinline__ void store_lse_group(const float* sa, const float* sb, f
   }
 }
 
+// The engine's common call (no a_empty, row mask, sinks or fp8 scale; out_lse not written in
+// place) in the smallest form: one thread per pack of V (thread i: row i / packs, pack i % packs,
+// both without a division), the two V loads and the two LSE loads issued before any arithmetic.
+// The thread of pack 0 writes the row's LSE. I: the type of the strides and of the offsets
+// formed from them; int (merge_state_flat_kernel, merge_state_flat_big_kernel) when every
+// tensor spans fewer than 2^31 elements, else long long (merge_state_flat64_kernel); the thread
+// index is 32-bit in all (the host keeps rows x packs below 2^31).
+//
+// SMALL = 1 (grids of a few waves, where a call is latency-bound): no branch before the loads,
+// so every parameter load is issued at once and the V loads go out first; a thread past the
+// last row loads row 0 (inside the tensors) and stores nothing. 3-6 % faster on small grids,
+// up to 4 % slower on grids of many waves, which take SMALL = 0 and its early return
+// (bench/NOTES.md). The smallest calls of 16-bit inputs take SMALL = 1 in packs of 8 bytes
+// (VEC 4): twice the threads, each with half the values to widen after its loads arrive. In
+// every form, nothing branches after the loads either: the stores are predicated
+// instructions, not code a branch jumps over (a branch region there cost up to 0.05 µs of a
+// 1.4 µs call).
 template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I, int GROUPS = 0>
 __device__ __forceinline__ void merge_flat(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
