@@ -196,11 +196,16 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_kernel, MinBlocks<PPT, FU
   if (write && col == 0 && olse != nullptr) olse[t * (I)ol_st + h * (I)ol_sh] = c.lse;
 }
 
-// The output LSE of row (t, h) of the flat kernel: what merge_flat computes for the row.
-__device__ __forceinline__ float flat_row_lse(int t, float la, float lb, int prefix_rows, int suffix_verbatim,
-                                              float k, float inv_k) {
-  const float lse = combine2<true>(t < prefix_rows ? la : neg_inf(), lb, k, inv_k).lse;
-  return t >= prefix_rows && suffix_verbatim ? lb : lse;
+// The flat kernel's coefficients and output LSE of a row of token t: past prefix_rows, state b
+// alone, by the empty rule or (suffix_verbatim) copied as it is.
+__device__ __forceinline__ RowCoef flat_row_coef(int t, float la, float lb, int prefix_rows, int suffix_verbatim,
+                                                 float k, float inv_k) {
+  RowCoef c = combine2<true>(t < prefix_rows ? la : neg_inf(), lb, k, inv_k);
+  const bool verbatim = t >= prefix_rows && suffix_verbatim;
+  c.ca = verbatim ? 0.f : c.ca;
+  c.cb = verbatim ? 1.f : c.cb;
+  c.lse = verbatim ? lb : c.lse;
+  return c;
 }
 
 // The output LSEs of the largest calls, one 32-byte sector per thread: the rows beside each
@@ -235,7 +240,7 @@ __device__ __noinline__ void store_lse_group(const float* sa, const float* sb, f
     const int tj = by_head ? t : t + (j < n ? j : 0), hj = by_head ? h + (j < n ? j : 0) : h;
     const float la = __ldg(sa + ((I)tj * sa_st + (I)hj * sa_sh));
     const float lb = __ldg(sb + ((I)tj * sb_st + (I)hj * sb_sh));
-    v[j] = flat_row_lse(tj, la, lb, prefix_rows, suffix_verbatim, k, inv_k);
+    v[j] = flat_row_coef(tj, la, lb, prefix_rows, suffix_verbatim, k, inv_k).lse;
   }
   if (n == 8 && (reinterpret_cast<unsigned long long>(q) & 15) == 0) {
     asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(q), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
@@ -284,11 +289,7 @@ __device__ __forceinline__ void merge_flat(
   const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
   const float la = __ldg(sa + (t * sa_st + h * sa_sh));
   const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
-  RowCoef c = combine2<true>(t32 < prefix_rows ? la : neg_inf(), lb, k, inv_k);
-  const bool verbatim = t32 >= prefix_rows && suffix_verbatim;
-  c.ca = verbatim ? 0.f : c.ca;
-  c.cb = verbatim ? 1.f : c.cb;
-  c.lse = verbatim ? lb : c.lse;
+  const RowCoef c = flat_row_coef(t32, la, lb, prefix_rows, suffix_verbatim, k, inv_k);
   store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + d), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
   if constexpr (GROUPS) {
     if (p == 0 && olse != nullptr)  // live: the others returned (GROUPS implies SMALL = 0)

@@ -71,6 +71,26 @@ def _both_n(log, objs) -> None:
     _both(log, lambda: plan.torch_call(*objs[:4]), lambda: plan(_first_n(objs)))
 
 
+def _both_plans(log, T, H, D, dtype=torch.bfloat16, out_dtype=None) -> tuple[tuple, tuple]:
+    """``(kernel, instantiation, grid)`` that merge_state and a two-state merge_states launch
+    for the same aligned call (an ``[H, T]`` LSE, outputs given), each the same on both paths."""
+    v_a, s_a, v_b, s_b = _states(T, H, D, dtype, True, 0)
+    out, out_lse = torch.empty(T, H, D, dtype=out_dtype or dtype), torch.empty(T, H)
+    _both_two(log, (v_a, s_a, v_b, s_b, out, out_lse))
+    two = log[-1][:3]
+    _both_n(log, (torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out, out_lse, None, None))
+    return two, log[-1][:3]
+
+
+def _unaligned_two(log, T, H, D) -> tuple:
+    """``(kernel, instantiation, grid)`` of a bf16 merge_state whose v_a starts one element into
+    its buffer (no vector packs), the same on both paths."""
+    v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
+    odd = torch.empty(T * H * D + 1, dtype=torch.bfloat16)[1:].view(T, H, D)
+    _both_two(log, (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H)))
+    return log[-1][:3]
+
+
 def _states(T, H, D, dtype, lse_ht, pad_h):
     """Inputs in engine layouts: padded heads (``pad_h``), an [H, T] LSE buffer as ``.T``."""
     g = torch.Generator().manual_seed(T * 131 + H * 7 + D)
@@ -263,21 +283,8 @@ def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded)
     both paths and both plans."""
     H, D = 8, 128  # 16 packs per row, 8 rows per block: T blocks
     for T, small in [(5, 1), (528, 1), (529, 0), (4096, 0)]:
-        v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
-        objs = (v_a, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
-        _both_two(recorded, objs)
-        assert recorded[-1][:3] == (
-            "merge_state_flat_kernel",
-            ("zk_bfloat16", "zk_bfloat16", 8, small),
-            T,
-        )
-        v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
-        _both_n(recorded, (v, s, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H), None, None))
-        assert recorded[-1][:3] == (
-            "merge_state_flat_kernel",
-            ("zk_bfloat16", "zk_bfloat16", 8, small),
-            T,
-        )
+        expected = ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, small), T)
+        assert _both_plans(recorded, T, H, D) == (expected, expected)
 
 
 def test_the_smallest_16_bit_calls_take_the_small_form_in_8_byte_packs(recorded):
@@ -292,19 +299,14 @@ def test_the_smallest_16_bit_calls_take_the_small_form_in_8_byte_packs(recorded)
         (torch.bfloat16, torch.bfloat16, 10, ("zk_bfloat16", "zk_bfloat16", 8, 1), 5),  # 640
         (torch.float32, torch.float32, 4, ("float", "float", 4, 1), 4),  # 512 packs of 4 floats
     ]:
-        v_a, s_a, v_b, s_b = _states(T, H, D, dtype, True, 0)
-        out, out_lse = torch.empty(T, H, D, dtype=out_dtype), torch.empty(T, H)
-        _both_two(recorded, (v_a, s_a, v_b, s_b, out, out_lse))
-        assert recorded[-1][:3] == ("merge_state_flat_kernel", targs, blocks)
-        v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
-        _both_n(recorded, (v, s, out, out_lse, None, None))
-        assert recorded[-1][:3] == ("merge_state_flat_kernel", targs, blocks)
-    T = 1  # unaligned: packs of one element
-    v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
-    odd = torch.empty(T * H * D + 1, dtype=torch.bfloat16)[1:].view(T, H, D)
-    objs = (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
-    _both_two(recorded, objs)
-    assert recorded[-1][:3] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 1), 4)
+        expected = ("merge_state_flat_kernel", targs, blocks)
+        assert _both_plans(recorded, T, H, D, dtype, out_dtype) == (expected, expected)
+    # unaligned: packs of one element
+    assert _unaligned_two(recorded, 1, H, D) == (
+        "merge_state_flat_kernel",
+        ("zk_bfloat16", "zk_bfloat16", 1, 1),
+        4,
+    )
 
 
 def test_calls_of_2_21_threads_take_the_flat_kernel_in_blocks_of_512(recorded):
@@ -319,25 +321,11 @@ def test_calls_of_2_21_threads_take_the_flat_kernel_in_blocks_of_512(recorded):
         (2**17 - 1, ("merge_state_flat_big_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**15)),
         (2**17, ("merge_state_flat_grouped_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**17)),
     ]:
-        v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
-        objs = (v_a, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
-        _both_two(recorded, objs)
-        assert recorded[-1][:3] == expected
-        v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
-        _both_n(recorded, (v, s, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H), None, None))
-        assert recorded[-1][:3] == expected
-    T = 2**11  # unaligned: packs of one element, 2^21 threads
-    v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
-    odd = torch.empty(T * H * D + 1, dtype=torch.bfloat16)[1:].view(T, H, D)
-    objs = (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
-    _both_two(recorded, objs)
-    assert recorded[-1][:3] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 0), 2**14)
-    T = 2**14  # unaligned, 2^24 threads
-    v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, True, 0)
-    odd = torch.empty(T * H * D + 1, dtype=torch.bfloat16)[1:].view(T, H, D)
-    objs = (odd, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
-    _both_two(recorded, objs)
-    assert recorded[-1][:3] == ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 0), 2**17)
+        assert _both_plans(recorded, T, H, D) == (expected, expected)
+    # unaligned (packs of one element), at 2^21 and at 2^24 threads
+    scalar = ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 0))
+    assert _unaligned_two(recorded, 2**11, H, D) == (*scalar, 2**14)
+    assert _unaligned_two(recorded, 2**14, H, D) == (*scalar, 2**17)
 
 
 def _first_n(objs):

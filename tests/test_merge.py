@@ -280,6 +280,20 @@ def test_output_dtype_differs_from_inputs(in_dtype, out_dtype, D):
     _compare(out, None, v_a, s_a, v_b, s_b, out_dtype)
 
 
+def _merge_both_ways(v_a, s_a, v_b, s_b, out_dtype) -> None:
+    """merge_state, then a two-state merge_states of the same states, each into NaN-filled
+    outputs, each against float64."""
+    T, H, D = v_a.shape
+    out = torch.full((T, H, D), NAN, dtype=out_dtype, device=v_a.device)
+    lse = torch.full_like(s_a, NAN)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
+    _compare(out, lse, v_a, s_a, v_b, s_b, out_dtype)
+    out.fill_(NAN)
+    lse.fill_(NAN)
+    zerokv.merge_states(torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out=out, out_lse=lse)
+    _compare(out, lse, v_a, s_a, v_b, s_b, out_dtype)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, out_dtype", [
     (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float16, torch.float32),
@@ -293,14 +307,7 @@ def test_the_smallest_calls_in_8_byte_packs(dtype, out_dtype, T, H, D):
     s_a[0, 0], v_a[0, 0] = -INF, NAN
     s_b[0, 1], v_b[0, 1] = INF, NAN
     s_a[0, 2], v_a[0, 2], s_b[0, 2], v_b[0, 2] = -INF, NAN, -INF, NAN
-    out = torch.full((T, H, D), NAN, dtype=out_dtype, device="cuda")
-    lse = torch.full_like(s_a, NAN)
-    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
-    _compare(out, lse, v_a, s_a, v_b, s_b, out_dtype)
-    out.fill_(NAN)
-    lse.fill_(NAN)
-    zerokv.merge_states(torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out=out, out_lse=lse)
-    _compare(out, lse, v_a, s_a, v_b, s_b, out_dtype)
+    _merge_both_ways(v_a, s_a, v_b, s_b, out_dtype)
 
 
 def _lse_layout(T: int, H: int, kind: str) -> torch.Tensor:
@@ -349,14 +356,7 @@ def test_grids_of_2_21_to_2_24_threads_in_blocks_of_512(dtype, T, H):
     takes it too."""
     D = 128
     v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=T + H)
-    out = torch.full_like(v_a, NAN)
-    lse = torch.full_like(s_a, NAN)
-    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
-    _compare(out, lse, v_a, s_a, v_b, s_b, dtype)
-    out.fill_(NAN)
-    lse.fill_(NAN)
-    zerokv.merge_states(torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out=out, out_lse=lse)
-    _compare(out, lse, v_a, s_a, v_b, s_b, dtype)
+    _merge_both_ways(v_a, s_a, v_b, s_b, dtype)
 
 
 @pytest.mark.gpu

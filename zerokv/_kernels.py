@@ -139,25 +139,18 @@ MERGE_STATE_FLAT = Kernel(
     ),
 )
 
-# The many-waves form (SMALL = 0) in blocks of 512, for grids of 2^21 to 2^24 threads
-# (merge.py picks); aligned calls only.
-MERGE_STATE_FLAT_BIG = Kernel(
-    stem="merge",
-    name="merge_state_flat_big_kernel",
-    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V),
-    block=512,
-    params=MERGE_STATE_FLAT.params,
-)
 
-# The many-waves form for calls past 2^24 threads, writing the output LSE by groups of 8 rows
-# (merge.py picks); aligned calls only.
-MERGE_STATE_FLAT_GROUPED = Kernel(
-    stem="merge",
-    name="merge_state_flat_grouped_kernel",
-    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V),
-    block=128,
-    params=MERGE_STATE_FLAT.params,
-)
+def _many_waves_form(name: str, block: int) -> Kernel:
+    """A many-waves form of the flat kernel (merge.py picks it by the call's threads): its
+    parameters, aligned calls only (16-byte packs), every pair of element types."""
+    instances = tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V)
+    return Kernel(stem="merge", name=name, instances=instances, block=block, params=MERGE_STATE_FLAT.params)
+
+
+# blocks of 512, for grids of 2^21 to 2^24 threads
+MERGE_STATE_FLAT_BIG = _many_waves_form("merge_state_flat_big_kernel", 512)
+# past 2^24 threads, writing the output LSE by groups of 8 rows
+MERGE_STATE_FLAT_GROUPED = _many_waves_form("merge_state_flat_grouped_kernel", 128)
 
 # The flat kernel for tensors past 2^31 elements: 64-bit strides and offsets, the thread index
 # still 32-bit; aligned calls only, and only the form for grids of many waves (SMALL = 0).

@@ -223,7 +223,6 @@ class _MergePlan:
     the op (``outputs``) and merge_state_flat_kernel, whose launchers are loaded by the first
     call that uses each; ``flat_targs`` None: never."""
 
-    flat: list | None = None  # a launcher per form of _FLAT_FORMS, loaded by the first call of each
     flat_targs: tuple | None = None
 
     # The fast paths' short keys do not hold the layout, so each plan's fast path takes only
@@ -234,6 +233,7 @@ class _MergePlan:
         self, call: Call, device: int, in_dtype: str, out_dtype: str, vec: int, allocate_lse: bool
     ) -> None:
         self.device = device
+        self.flat = [None] * len(_FLAT_FORMS)  # a launcher per form, loaded by the first call of each
         self.sms = _runtime.sm_count(device)
         self.vec = vec  # vec_max when the signature is aligned, else 1
         self.vec_max = _kernels.vec(in_dtype)
@@ -283,8 +283,6 @@ class _MergePlan:
             form = int(-(-threads // _FLAT_BLOCK) <= _FLAT_SMALL_BLOCKS_PER_SM * self.sms)  # SMALL
         kernel, extra = _FLAT_FORMS[form]
         blocks = -(-threads // kernel.block)
-        if self.flat is None:
-            self.flat = [None] * len(_FLAT_FORMS)
         launch = self.flat[form]
         if launch is None:
             targs = (*self.flat_targs[:2], vec, *extra)
