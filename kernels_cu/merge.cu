@@ -208,38 +208,35 @@ __device__ __forceinline__ RowCoef flat_row_coef(int t, float la, float lb, int 
   return c;
 }
 
-// The output LSEs of the largest calls, one 32-byte sector per thread: the rows beside each
-// other along out_lse's unit-stride axis (heads, else tokens) go in groups of 8, and the pack-0
-// thread of a group's first row computes the other rows' LSEs too (their inputs lie in the
-// sectors of its own, for LSEs in the output's layout) and writes the group in two 16-byte
-// stores. Row by row, a sector takes 8 partial writes from up to 8 SMs: 0.2-0.6 % of the time
-// of calls past 2^24 threads; below that, the group's second round trip to memory costs more
-// than it saves (bench/NOTES.md). An out_lse with neither axis unit-stride is written row by
-// row. The caller is the live pack-0 thread of row (t, h). Not inlined: inlined, its registers
-// moved the kernel's V loads behind the LSE arithmetic (two round trips to memory, 3 % slower).
+// The output LSEs of the largest calls with an out_lse laid [H, T], one 32-byte sector per
+// thread: the rows of 8 tokens beside each other go in a group, and the pack-0 thread of the
+// group's first token computes the other rows' LSEs too (their inputs lie in the sectors of its
+// own, for LSEs laid like the output) and writes the group in two 16-byte stores. Row by row, a
+// sector takes 8 partial writes from as many SMs; the rows of a group lie H x packs threads
+// apart, in other blocks, so the group costs a second round trip to memory: it pays from 2^22
+// threads with at least 32 heads of at most 16 packs (bench/NOTES.md). An out_lse whose tokens
+// are not unit-stride is written row by row. The caller is the live pack-0 thread of row
+// (t, h). Not inlined: inlined, its registers moved the kernel's V loads behind the LSE
+// arithmetic (two round trips to memory, 3 % slower).
 template <typename I>
-__device__ __noinline__ void store_lse_group(const float* sa, const float* sb, float* olse, int rows, int H, int packs,
+__device__ __noinline__ void store_lse_group(const float* sa, const float* sb, float* olse, int rows, int H,
                                              unsigned H_mul, int H_shr, int t, int h, float lse, I sa_st, I sa_sh,
                                              I sb_st, I sb_sh, I ol_st, I ol_sh, int prefix_rows,
                                              int suffix_verbatim, float k, float inv_k) {
   float* q = olse + ((I)t * ol_st + (I)h * ol_sh);
-  // along heads only when a block of 128 holds at most 8 rows: with more, a group's rows lie in
-  // one block and row-by-row writes measured faster
-  const bool by_head = ol_sh == 1 && H > 1 && packs >= 16, by_token = !by_head && ol_st == 1;
-  if (!by_head && !by_token) {
+  if (ol_st != 1) {
     *q = lse;
     return;
   }
-  const int at = by_head ? h : t;
-  if (at & 7) return;  // written by the group's first row
-  const int n = min(8, by_head ? H - h : (int)fast_div((unsigned)rows, H_mul, H_shr) - t);
+  if (t & 7) return;  // written by the group's first token
+  const int n = min(8, (int)fast_div((unsigned)rows, H_mul, H_shr) - t);
   float v[8];
   v[0] = lse;
 #pragma unroll
   for (int j = 1; j < 8; ++j) {
-    const int tj = by_head ? t : t + (j < n ? j : 0), hj = by_head ? h + (j < n ? j : 0) : h;
-    const float la = __ldg(sa + ((I)tj * sa_st + (I)hj * sa_sh));
-    const float lb = __ldg(sb + ((I)tj * sb_st + (I)hj * sb_sh));
+    const int tj = t + (j < n ? j : 0);
+    const float la = __ldg(sa + ((I)tj * sa_st + (I)h * sa_sh));
+    const float lb = __ldg(sb + ((I)tj * sb_st + (I)h * sb_sh));
     v[j] = flat_row_coef(tj, la, lb, prefix_rows, suffix_verbatim, k, inv_k).lse;
   }
   if (n == 8 && (reinterpret_cast<unsigned long long>(q) & 15) == 0) {
@@ -254,29 +251,59 @@ __device__ __noinline__ void store_lse_group(const float* sa, const float* sb, f
   }
 }
 
+// How the flat kernel writes a row's output LSE: the pack-0 thread of the row (ROW), the
+// group write of store_lse_group (GROUP), or gathered in shared memory and written by the
+// block's first threads, one row each (GATHER).
+constexpr int LSE_ROW = 0, LSE_GROUP = 1, LSE_GATHER = 2;
+
+// The output LSEs of a block, gathered: the rows whose pack 0 lies in the block go through
+// shared memory and out from its first threads, so that rows beside each other in out_lse
+// leave in one warp's store instead of one store from each row's warp (0.5-1 % faster from
+// 2^18 threads on with a [T, H] out_lse, and at D = 512 with [H, T]; bench/NOTES.md). Every
+// thread of the block calls it (a barrier inside): those past the last row with has = false.
+template <int BLOCK, typename I>
+__device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsigned row, float lse, int rows,
+                                                   int packs, unsigned packs_mul, int packs_shr, int H,
+                                                   unsigned H_mul, int H_shr, I ol_st, I ol_sh) {
+  __shared__ float s_lse[BLOCK];
+  const unsigned i0 = blockIdx.x * (unsigned)BLOCK;
+  const unsigned q = fast_div(i0, packs_mul, packs_shr);
+  const unsigned first = q + (q * (unsigned)packs != i0);  // the first row whose pack 0 is here
+  if (has) s_lse[row - first] = lse;
+  __syncthreads();
+  const unsigned end_thread = min(i0 + (unsigned)BLOCK, (unsigned)rows * (unsigned)packs);
+  const unsigned end = fast_div(end_thread - 1u, packs_mul, packs_shr) + 1u;
+  const unsigned r = first + threadIdx.x;
+  if (r < end) {
+    const int t = (int)fast_div(r, H_mul, H_shr), h = (int)r - t * H;
+    olse[(I)t * ol_st + (I)h * ol_sh] = s_lse[threadIdx.x];
+  }
+}
+
 // The engine's common call (no a_empty, row mask, sinks or fp8 scale; out_lse not written in
 // place) in the smallest form: one thread per pack of V (thread i: row i / packs, pack i % packs,
 // both without a division), the two V loads and the two LSE loads issued before any arithmetic.
-// The thread of pack 0 writes the row's LSE. I: the type of the strides and of the offsets
-// formed from them; int (merge_state_flat_kernel, merge_state_flat_big_kernel) when every
-// tensor spans fewer than 2^31 elements, else long long (merge_state_flat64_kernel); the thread
-// index is 32-bit in all (the host keeps rows x packs below 2^31).
+// The row's LSE is written as LSE says. I: the type of the strides and of the offsets formed
+// from them; int when every tensor spans fewer than 2^31 elements, else long long
+// (merge_state_flat64_kernel); the thread index is 32-bit in all (the host keeps rows x packs
+// below 2^31).
 //
 // SMALL = 1 (grids of a few waves, where a call is latency-bound): no branch before the loads,
 // so every parameter load is issued at once and the V loads go out first; a thread past the
 // last row loads row 0 (inside the tensors) and stores nothing. 3-6 % faster on small grids,
 // up to 4 % slower on grids of many waves, which take SMALL = 0 and its early return
-// (bench/NOTES.md). The smallest calls of 16-bit inputs take SMALL = 1 in packs of 8 bytes
-// (VEC 4): twice the threads, each with half the values to widen after its loads arrive. In
-// every form, nothing branches after the loads either: the stores are predicated
-// instructions, not code a branch jumps over (a branch region there cost up to 0.05 µs of a
-// 1.4 µs call).
-template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I, int GROUPS = 0>
+// (bench/NOTES.md); the gathered form needs every thread at its barrier, so it takes SMALL = 1
+// too. The smallest calls of 16-bit inputs take SMALL = 1 in packs of 8 bytes (VEC 4): twice
+// the threads, each with half the values to widen after its loads arrive. In every form,
+// nothing branches after the loads either: the stores are predicated instructions, not code a
+// branch jumps over (a branch region there cost up to 0.05 µs of a 1.4 µs call).
+template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I, int LSE = LSE_ROW>
 __device__ __forceinline__ void merge_flat(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs, unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
     I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh, I vb_st, I vb_sh,
     I out_st, I out_sh, I ol_st, I ol_sh, int prefix_rows, int suffix_verbatim, float k, float inv_k) {
+  static_assert(LSE != LSE_GATHER || SMALL, "the gathered form's barrier needs every thread");
   const unsigned i = blockIdx.x * (unsigned)BLOCK + threadIdx.x;
   const unsigned row0 = fast_div(i, packs_mul, packs_shr);
   const bool live = row0 < (unsigned)rows;
@@ -291,10 +318,14 @@ __device__ __forceinline__ void merge_flat(
   const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
   const RowCoef c = flat_row_coef(t32, la, lb, prefix_rows, suffix_verbatim, k, inv_k);
   store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + d), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
-  if constexpr (GROUPS) {
-    if (p == 0 && olse != nullptr)  // live: the others returned (GROUPS implies SMALL = 0)
-      store_lse_group<I>(sa, sb, olse, rows, H, packs, H_mul, H_shr, t32, (int)h, c.lse, sa_st, sa_sh, sb_st, sb_sh,
+  if constexpr (LSE == LSE_GROUP) {
+    if (p == 0 && olse != nullptr)  // live: the others returned (LSE_GROUP implies SMALL = 0)
+      store_lse_group<I>(sa, sb, olse, rows, H, H_mul, H_shr, t32, (int)h, c.lse, sa_st, sa_sh, sb_st, sb_sh,
                          ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+  } else if constexpr (LSE == LSE_GATHER) {
+    if (olse != nullptr)  // the same for the whole block
+      store_lse_gathered<BLOCK, I>(olse, live && p == 0, row, c.lse, rows, packs, packs_mul, packs_shr, H, H_mul,
+                                   H_shr, ol_st, ol_sh);
   } else {
     store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
   }
@@ -318,22 +349,24 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }
 
-// The many-waves form in larger blocks, for grids of 2^21 to 2^24 threads: 0.3-0.8 % faster
-// there than blocks of 128, slower on larger grids (bench/NOTES.md).
+// The many-waves form from 2^18 threads on, in blocks of 512 with the output LSE gathered
+// (store_lse_gathered); its SMALL = 1 form (no early return), which measured even with SMALL = 0
+// on these grids.
 template <typename Tin, typename Tout, int VEC>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_big_kernel) merge_state_flat_big_kernel(
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel) merge_state_flat_gathered_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs,
     unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
     int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
     int out_st, int out_sh, int ol_st, int ol_sh,
     int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  merge_flat<Tin, Tout, VEC, 0, ZK_BLOCK_merge_state_flat_big_kernel, int>(
+  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat_gathered_kernel, int, LSE_GATHER>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }
 
-// The many-waves form for calls past 2^24 threads, its output LSE written by groups
+// The many-waves form for an out_lse laid [H, T] (unit stride along tokens) from 2^22 threads
+// on with many heads and short rows, its output LSE written by groups of 8 tokens
 // (store_lse_group); held to 32 registers, 16 blocks per SM (inlined, the group code took 40
 // for bf16: 12 blocks per SM, 2-3 % slower).
 template <typename Tin, typename Tout, int VEC>
@@ -344,7 +377,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_grouped_kernel, 16) 
     int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
     int out_st, int out_sh, int ol_st, int ol_sh,
     int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  merge_flat<Tin, Tout, VEC, 0, ZK_BLOCK_merge_state_flat_grouped_kernel, int, 1>(
+  merge_flat<Tin, Tout, VEC, 0, ZK_BLOCK_merge_state_flat_grouped_kernel, int, LSE_GROUP>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }

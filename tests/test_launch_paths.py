@@ -71,11 +71,13 @@ def _both_n(log, objs) -> None:
     _both(log, lambda: plan.torch_call(*objs[:4]), lambda: plan(_first_n(objs)))
 
 
-def _both_plans(log, T, H, D, dtype=torch.bfloat16, out_dtype=None) -> tuple[tuple, tuple]:
+def _both_plans(log, T, H, D, dtype=torch.bfloat16, out_dtype=None, out_lse_ht=False) -> tuple[tuple, tuple]:
     """``(kernel, instantiation, grid)`` that merge_state and a two-state merge_states launch
-    for the same aligned call (an ``[H, T]`` LSE, outputs given), each the same on both paths."""
+    for the same aligned call (an ``[H, T]`` LSE, outputs given: out_lse ``[T, H]``, or an
+    ``[H, T]`` buffer as ``.T``), each the same on both paths."""
     v_a, s_a, v_b, s_b = _states(T, H, D, dtype, True, 0)
-    out, out_lse = torch.empty(T, H, D, dtype=out_dtype or dtype), torch.empty(T, H)
+    out = torch.empty(T, H, D, dtype=out_dtype or dtype)
+    out_lse = torch.empty(H, T).T if out_lse_ht else torch.empty(T, H)
     _both_two(log, (v_a, s_a, v_b, s_b, out, out_lse))
     two = log[-1][:3]
     _both_n(log, (torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out, out_lse, None, None))
@@ -234,20 +236,20 @@ def test_merge_state_common_call_takes_the_flat_kernel_unless_it_cannot(recorded
 
 def test_tensors_past_two_gigabytes_keep_32_bit_math_below_2_31_elements(recorded):
     """bf16 V of 2^30 + 8192 elements (2^31 + 16384 bytes): every element offset fits 32 bits,
-    so a 32-bit flat kernel runs (its offsets are elements, not bytes; past 2^24 threads, the
-    form that writes the output LSE by groups), on both paths of merge_state and of a two-state
+    so a 32-bit flat kernel runs (its offsets are elements, not bytes; the form that gathers
+    the output LSE), on both paths of merge_state and of a two-state
     merge_states. The tensors are never written, so their pages are never touched."""
     T, H, D = 2**20 + 8, 8, 128
     v_a, v_b, out = (torch.empty(T, H, D, dtype=torch.bfloat16) for _ in range(3))
     s_a, s_b, out_lse = torch.randn(T, H), torch.randn(T, H), torch.empty(T, H)
     objs = (v_a, s_a, v_b, s_b, out, out_lse)
     _both_two(recorded, objs)
-    assert recorded[-1][:2] == ("merge_state_flat_grouped_kernel", ("zk_bfloat16", "zk_bfloat16", 8))
+    assert recorded[-1][:2] == ("merge_state_flat_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8))
     del v_a, v_b
     # merge_states, N = 2: the states as one [2, T, H, D] tensor of 2^31 + 16384 elements
     v, s = torch.empty(2, T // 2, H, D, dtype=torch.bfloat16), torch.randn(2, T // 2, H)
     _both_n(recorded, (v, s, out[: T // 2], out_lse[: T // 2], None, None))
-    assert recorded[-1][:2] == ("merge_state_flat_grouped_kernel", ("zk_bfloat16", "zk_bfloat16", 8))
+    assert recorded[-1][:2] == ("merge_state_flat_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8))
 
 
 def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
@@ -282,7 +284,7 @@ def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded)
     """SMALL = 1 up to 4 x 132 blocks of 128 threads (packs of 8 bf16), SMALL = 0 past it, on
     both paths and both plans."""
     H, D = 8, 128  # 16 packs per row, 8 rows per block: T blocks
-    for T, small in [(5, 1), (528, 1), (529, 0), (4096, 0)]:
+    for T, small in [(5, 1), (528, 1), (529, 0), (2047, 0)]:
         expected = ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, small), T)
         assert _both_plans(recorded, T, H, D) == (expected, expected)
 
@@ -309,23 +311,43 @@ def test_the_smallest_16_bit_calls_take_the_small_form_in_8_byte_packs(recorded)
     )
 
 
-def test_calls_of_2_21_threads_take_the_flat_kernel_in_blocks_of_512(recorded):
-    """One thread per pack: 2^21 - 128 threads stay on the 128-thread form (SMALL = 0), 2^21 to
-    2^24 - 128 take the 512-thread one, 2^24 the 128-thread form that writes the output LSE by
-    groups, on both paths and both plans; an unaligned call in the window keeps the 128-thread
-    form (the 512-thread one is built for vector packs only), and one past it does not group."""
-    H, D = 8, 128  # 16 packs of 8 bf16 per row
+def test_calls_of_2_18_threads_take_the_gathered_form(recorded):
+    """One thread per pack: 2^18 - 128 threads stay on the 128-thread form (SMALL = 0); from
+    2^18 on, the 512-thread form that gathers the output LSE, with out_lse [T, H] or [H, T]
+    (8 heads: never the grouped form), up to 2^24 threads and past it; on both paths and both
+    plans. An unaligned call keeps the 128-thread form (the others are built for vector packs
+    only)."""
+    H, D = 8, 128  # 16 packs of 8 bf16 per row: 128 threads per token
+    bf16 = ("zk_bfloat16", "zk_bfloat16", 8)
     for T, expected in [
-        (2**14 - 1, ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2**14 - 1)),
-        (2**14, ("merge_state_flat_big_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**12)),
-        (2**17 - 1, ("merge_state_flat_big_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**15)),
-        (2**17, ("merge_state_flat_grouped_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**17)),
+        (2**11 - 1, ("merge_state_flat_kernel", (*bf16, 0), 2**11 - 1)),
+        (2**11, ("merge_state_flat_gathered_kernel", bf16, 2**9)),
+        (2**11 + 1, ("merge_state_flat_gathered_kernel", bf16, 2**9 + 1)),
+        (2**17, ("merge_state_flat_gathered_kernel", bf16, 2**15)),
     ]:
-        assert _both_plans(recorded, T, H, D) == (expected, expected)
-    # unaligned (packs of one element), at 2^21 and at 2^24 threads
+        for ht in (False, True):
+            assert _both_plans(recorded, T, H, D, out_lse_ht=ht) == (expected, expected)
     scalar = ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 0))
     assert _unaligned_two(recorded, 2**11, H, D) == (*scalar, 2**14)
-    assert _unaligned_two(recorded, 2**14, H, D) == (*scalar, 2**17)
+
+
+def test_an_h_t_out_lse_with_many_heads_takes_the_grouped_form_from_2_22_threads(recorded):
+    """out_lse laid [H, T] with at least 32 heads of at most 16 packs: the form that writes it
+    by groups of tokens from 2^22 threads on; 2^22 - 512 threads, 16 heads, 32 packs per row or
+    an out_lse laid [T, H] take the gathered form. Both paths, both plans."""
+    bf16 = ("zk_bfloat16", "zk_bfloat16", 8)
+    grouped = ("merge_state_flat_grouped_kernel", bf16, 2**15)
+    gathered = ("merge_state_flat_gathered_kernel", bf16, 2**13)
+    for T, H, D, ht, expected in [
+        (2**13, 32, 128, True, grouped),  # 512 threads per token
+        (2**11, 128, 128, True, grouped),
+        (2**14, 32, 64, True, ("merge_state_flat_grouped_kernel", bf16, 2**15)),
+        (2**13 - 1, 32, 128, True, ("merge_state_flat_gathered_kernel", bf16, 2**13 - 1)),
+        (2**14, 16, 128, True, gathered),
+        (2**12, 32, 256, True, gathered),
+        (2**13, 32, 128, False, gathered),
+    ]:
+        assert _both_plans(recorded, T, H, D, out_lse_ht=ht) == (expected, expected), (T, H, D, ht)
 
 
 def _first_n(objs):

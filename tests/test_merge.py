@@ -325,13 +325,14 @@ def _lse_layout(T: int, H: int, kind: str) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["TH", "HT", "TH-padded", "HT-padded", "strided"])
-@pytest.mark.parametrize("T, H, D", [(4099, 12, 64), (8200, 129, 128), (8201, 128, 128)])
+@pytest.mark.parametrize("T, H, D", [(4099, 12, 72), (8200, 129, 128), (8201, 128, 128)])
 def test_many_waves_write_every_lse_once_in_every_layout(kind, T, H, D):
-    """Calls past 2^24 threads write the output LSE by groups of 8 rows along its unit-stride
-    axis (heads, else tokens): groups cut short by H = 129 or T = 8201, padded axes, an out_lse
-    with no unit-stride axis (row by row), the suffix past prefix_rows by the empty rule and,
-    through vLLM's adapter, verbatim; a smaller call writes row by row. Every row's LSE is
-    checked (one left unwritten stays NaN), V on a sample of rows."""
+    """Calls from 2^18 threads gather the output LSE per block of 512 (4099 x 12 x 72: rows of
+    9 packs cut by the blocks' edges, a partial last block); from 2^22 threads with 128 or
+    more heads an out_lse laid [H, T] is written by groups of 8 tokens (one cut short by
+    T = 8201), any other layout gathered: padded axes, an out_lse with no unit-stride axis, the
+    suffix past prefix_rows by the empty rule and, through vLLM's adapter, verbatim. Every
+    row's LSE is checked (one left unwritten stays NaN), V on a sample of rows."""
     v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, "cuda", seed=T + H)
     s_b_ht = s_b.T.contiguous().T  # the inputs' LSEs in both layouts
     first = [f64(x) for x in (v_a[..., :1], s_a, v_b[..., :1], s_b)]  # the LSE needs no more of V
@@ -349,11 +350,11 @@ def test_many_waves_write_every_lse_once_in_every_layout(kind, T, H, D):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T, H", [(4099, 33), (16383, 64)])
-def test_grids_of_2_21_to_2_24_threads_in_blocks_of_512(dtype, T, H):
-    """16-bit calls of 2^21 to 2^24 packs take the flat kernel in blocks of 512 (the first shape
-    ends in a partial block, the second is 1024 packs short of 2^24); two-state merge_states
-    takes it too."""
+@pytest.mark.parametrize("T, H", [(2049, 8), (4099, 33), (16383, 64)])
+def test_grids_from_2_18_threads_in_blocks_of_512(dtype, T, H):
+    """Aligned calls from 2^18 packs take the flat kernel in blocks of 512 with the output LSE
+    gathered (16-bit: the first shape is 128 packs past 2^18, the second ends in a partial
+    block, the third is 1024 packs short of 2^24); two-state merge_states takes it too."""
     D = 128
     v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=T + H)
     _merge_both_ways(v_a, s_a, v_b, s_b, dtype)

@@ -147,9 +147,9 @@ def _many_waves_form(name: str, block: int) -> Kernel:
     return Kernel(stem="merge", name=name, instances=instances, block=block, params=MERGE_STATE_FLAT.params)
 
 
-# blocks of 512, for grids of 2^21 to 2^24 threads
-MERGE_STATE_FLAT_BIG = _many_waves_form("merge_state_flat_big_kernel", 512)
-# past 2^24 threads, writing the output LSE by groups of 8 rows
+# blocks of 512, the output LSE gathered through shared memory: grids from 2^18 threads
+MERGE_STATE_FLAT_GATHERED = _many_waves_form("merge_state_flat_gathered_kernel", 512)
+# an [H, T] output LSE written by groups of 8 tokens: large grids with many heads
 MERGE_STATE_FLAT_GROUPED = _many_waves_form("merge_state_flat_grouped_kernel", 128)
 
 # The flat kernel for tensors past 2^31 elements: 64-bit strides and offsets, the thread index
@@ -242,7 +242,7 @@ CP_FINALIZE = Kernel(
 KERNELS: tuple[Kernel, ...] = (
     MERGE_STATE,
     MERGE_STATE_FLAT,
-    MERGE_STATE_FLAT_BIG,
+    MERGE_STATE_FLAT_GATHERED,
     MERGE_STATE_FLAT_GROUPED,
     MERGE_STATE_FLAT64,
     MERGE_STATES,

@@ -273,10 +273,8 @@ class _MergePlan:
             if threads >= _INT32 or vec == 1:
                 return False
             form = _FLAT_64
-        elif _FLAT_BIG_THREADS[0] <= threads < _FLAT_BIG_THREADS[1] and vec > 1:
-            form = _FLAT_BIG
-        elif threads >= _FLAT_BIG_THREADS[1] and vec > 1:
-            form = _FLAT_GROUPED
+        elif threads >= _FLAT_GATHERED_THREADS and vec > 1:
+            form = _FLAT_GROUPED if _groups_tokens(threads, H, packs, stl) else _FLAT_GATHERED  # 16-byte packs
         elif threads <= _FLAT_NARROW_PACKS and vec == 8:
             form, vec, packs, threads = _FLAT_NARROW, 4, 2 * packs, 2 * threads
         else:
@@ -533,11 +531,26 @@ def _fast_checks_two(f: list, prefix_rows: Any) -> bool:
 
 _INT32 = 1 << 31
 _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
-# Calls of this many threads (one per pack), [from, to), take the flat kernel in blocks of 512:
-# measured on an H200 over the grid (bench/NOTES.md), 0.3-0.8 % faster from 2^21 to 2^23
-# threads, even at 2^24, up to 0.5 % slower from 2^25 on. Aligned calls from the upper bound on
-# take the form that writes the output LSE by groups (0.2-0.6 % faster there, slower below).
-_FLAT_BIG_THREADS = (1 << 21, 1 << 24)
+# Aligned calls of at least this many threads (one per pack) take the flat kernel in blocks of
+# 512 with the output LSE gathered through shared memory (merge.cu): measured on an H200 over
+# the grid (bench/NOTES.md), 0.5-1.5 % faster than blocks of 128 from 2^18 threads on with a
+# [T, H] out_lse, and with an [H, T] one at D = 512; slower below 2^18 for fp16.
+_FLAT_GATHERED_THREADS = 1 << 18
+# ... except an out_lse laid [H, T] from 2^22 threads with at least 32 heads of at most 16
+# packs of 16 bytes: the form that writes the output LSE by groups of 8 tokens, 0.5-4 % faster
+# there (its group's rows lie in the same wave), slower with fewer heads, longer rows or grids.
+_FLAT_GROUPED_MIN = (1 << 22, 32, 16)  # threads, heads, 16-byte packs per row
+
+
+def _groups_tokens(threads: int, heads: int, packs16: int, ol_strides: tuple) -> bool:
+    """Whether a call takes the flat kernel's form that writes out_lse by groups of tokens."""
+    min_threads, min_heads, max_packs = _FLAT_GROUPED_MIN
+    return (
+        threads >= min_threads and heads >= min_heads and packs16 <= max_packs
+        and ol_strides[0] == 1 and ol_strides[1] != 1
+    )  # fmt: skip
+
+
 # Calls of 16-bit inputs of at most this many 16-byte packs take the SMALL form in 8-byte packs
 # (twice the threads, each with half the values to widen and merge after its loads arrive):
 # measured on an H200 (bench/NOTES.md), 0.005-0.025 µs faster up to 512 packs, even or slower
@@ -550,11 +563,11 @@ _FLAT_FORMS = (
     (_kernels.MERGE_STATE_FLAT, (0,)),
     (_kernels.MERGE_STATE_FLAT, (1,)),
     (_kernels.MERGE_STATE_FLAT64, (0,)),
-    (_kernels.MERGE_STATE_FLAT_BIG, ()),
+    (_kernels.MERGE_STATE_FLAT_GATHERED, ()),
     (_kernels.MERGE_STATE_FLAT, (1,)),
     (_kernels.MERGE_STATE_FLAT_GROUPED, ()),
 )
-_FLAT_64, _FLAT_BIG, _FLAT_NARROW, _FLAT_GROUPED = 2, 3, 4, 5
+_FLAT_64, _FLAT_GATHERED, _FLAT_NARROW, _FLAT_GROUPED = 2, 3, 4, 5
 # Grids of at most this many blocks per SM take the flat kernel's SMALL form: measured on an
 # H200 (bench/NOTES.md), 3-6 % faster up to 256 blocks, even at 1024, 4 % slower at 4096.
 _FLAT_SMALL_BLOCKS_PER_SM = 4

@@ -16,7 +16,7 @@ from . import _cache, _dtypes, _kernels, _runtime
 
 _FLAT = (
     "merge_state_flat_kernel",
-    "merge_state_flat_big_kernel",
+    "merge_state_flat_gathered_kernel",
     "merge_state_flat_grouped_kernel",
     "merge_state_flat64_kernel",
 )
