@@ -274,7 +274,8 @@ class _MergePlan:
                 return False
             form = _FLAT_64
         elif threads >= _FLAT_GATHERED_THREADS and vec > 1:
-            form = _FLAT_GROUPED if _groups_tokens(threads, H, packs, stl) else _FLAT_GATHERED  # 16-byte packs
+            grouped = _groups_tokens(threads, H, packs, stl)  # packs: of 16 bytes here
+            form = _FLAT_GROUPED if grouped else _FLAT_GATHERED
         elif threads <= _FLAT_NARROW_PACKS and vec == 8:
             form, vec, packs, threads = _FLAT_NARROW, 4, 2 * packs, 2 * threads
         else:
