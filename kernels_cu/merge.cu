@@ -259,7 +259,7 @@ constexpr int LSE_ROW = 0, LSE_GROUP = 1, LSE_GATHER = 2;
 // The output LSEs of a block, gathered: the rows whose pack 0 lies in the block go through
 // shared memory and out from its first threads, so that rows beside each other in out_lse
 // leave in one warp's store instead of one store from each row's warp (0.5-1 % faster from
-// 2^18 threads on with a [T, H] out_lse, and at D = 512 with [H, T]; bench/NOTES.md). Every
+// 2^19 threads on with a [T, H] out_lse, and at D = 512 with [H, T]; bench/NOTES.md). Every
 // thread of the block calls it (a barrier inside): those past the last row with has = false.
 template <int BLOCK, typename I>
 __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsigned row, float lse, int rows,
@@ -349,7 +349,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }
 
-// The many-waves form from 2^18 threads on, in blocks of 512 with the output LSE gathered
+// The many-waves form from 2^19 threads on, in blocks of 512 with the output LSE gathered
 // (store_lse_gathered); its SMALL = 1 form (no early return), which measured even with SMALL = 0
 // on these grids.
 template <typename Tin, typename Tout, int VEC>
@@ -391,6 +391,21 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_kernel) merge_stat
     i64 out_st, i64 out_sh, i64 ol_st, i64 ol_sh,
     int prefix_rows, int suffix_verbatim, float k, float inv_k) {
   merge_flat<Tin, Tout, VEC, SMALL, ZK_BLOCK_merge_state_flat64_kernel, i64>(
+      va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
+      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+}
+
+// The 64-bit form in blocks of 512 with the output LSE gathered, for every wide call but those
+// that would take the grouped form (merge.py): 0.5-1 % faster than merge_state_flat64_kernel.
+template <typename Tin, typename Tout, int VEC>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel) merge_state_flat64_gathered_kernel(
+    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
+    int rows, int H, int packs,
+    unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
+    i64 sa_st, i64 sa_sh, i64 sb_st, i64 sb_sh, i64 va_st, i64 va_sh, i64 vb_st, i64 vb_sh,
+    i64 out_st, i64 out_sh, i64 ol_st, i64 ol_sh,
+    int prefix_rows, int suffix_verbatim, float k, float inv_k) {
+  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat64_gathered_kernel, i64, LSE_GATHER>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }

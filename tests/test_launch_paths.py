@@ -253,25 +253,42 @@ def test_tensors_past_two_gigabytes_keep_32_bit_math_below_2_31_elements(recorde
 
 
 def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
-    """A V whose token stride spans 2^31 elements: the flat kernel's 64-bit form (its strides
-    are 64-bit parameters), on both paths of merge_state and of a two-state merge_states; an
-    unaligned call of that size takes the row-group kernel's 64-bit form. One 4 GB buffer, never
-    written, so its pages are never touched."""
+    """A V whose token stride spans 2^31 elements: the flat kernel's 64-bit form in blocks of
+    512 (its strides are 64-bit parameters), on both paths of merge_state and of a two-state
+    merge_states; with an out_lse laid [H, T], 32 heads of 16 packs and 2^22 threads, the
+    64-bit form in blocks of 128; an unaligned call of that size takes the row-group kernel's
+    64-bit form. One 4.3 GB buffer, never written, so its pages are never touched."""
     T, H, D = 2, 8, 128
-    base = torch.empty(2**31 + T * H * D + 8, dtype=torch.bfloat16)
+    base = torch.empty(2**31 + 2**20, dtype=torch.bfloat16)
     wide = base.as_strided((T, H, D), (2**31, D, 1))
     v_b, s_a, s_b = torch.randn(T, H, D, dtype=torch.bfloat16), torch.randn(T, H), torch.randn(T, H)
-    objs = (wide, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H))
+    objs = (wide, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(H, T).T)
     _both_two(recorded, objs)
     name, targs, grid, packed = recorded[-1]
-    assert (name, targs, grid) == ("merge_state_flat64_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2)
-    assert _kernels.MERGE_STATE_FLAT64.packer.unpack(packed)[17] == 2**31  # va_st, 64-bit
+    assert (name, targs, grid) == ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 1)
+    assert _kernels.MERGE_STATE_FLAT64_GATHERED.packer.unpack(packed)[17] == 2**31  # va_st, 64-bit
 
     # two states 2^31 elements apart in one buffer
     v = base.as_strided((2, T, H, D), (2**31, H * D, D, 1))
     out_n = torch.empty(T, H, D, dtype=torch.bfloat16)
     _both_n(recorded, (v, torch.randn(2, T, H), out_n, torch.empty(T, H), None, None))
-    assert recorded[-1][:3] == ("merge_state_flat64_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2)
+    assert recorded[-1][:3] == ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 1)
+
+    # many heads of short rows, out_lse [H, T], 2^22 threads: a token stride of 2^18 + 40
+    # elements spans 2^31 + 2^16 in 2^13 tokens
+    Tw, Hw = 2**13, 32
+    wide = base.as_strided((Tw, Hw, D), (2**18 + 40, D, 1))
+    v_b, s_a, s_b = torch.empty(Tw, Hw, D, dtype=torch.bfloat16), torch.randn(Tw, Hw), torch.randn(Tw, Hw)
+    for out_lse, expected in [
+        (torch.empty(Hw, Tw).T, ("merge_state_flat64_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2**15)),
+        (
+            torch.empty(Tw, Hw),
+            ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**13),
+        ),
+    ]:
+        _both_two(recorded, (wide, s_a, v_b, s_b, torch.empty(Tw, Hw, D, dtype=torch.bfloat16), out_lse))
+        assert recorded[-1][:3] == expected
+    v_b, s_a, s_b = torch.randn(T, H, D, dtype=torch.bfloat16), torch.randn(T, H), torch.randn(T, H)
 
     # unaligned (V starts one element into the buffer): no vector path, the row-group kernel
     odd = base[1:].as_strided((T, H, D), (2**31, D, 1))
@@ -311,24 +328,24 @@ def test_the_smallest_16_bit_calls_take_the_small_form_in_8_byte_packs(recorded)
     )
 
 
-def test_calls_of_2_18_threads_take_the_gathered_form(recorded):
-    """One thread per pack: 2^18 - 128 threads stay on the 128-thread form (SMALL = 0); from
-    2^18 on, the 512-thread form that gathers the output LSE, with out_lse [T, H] or [H, T]
+def test_calls_of_2_19_threads_take_the_gathered_form(recorded):
+    """One thread per pack: 2^19 - 128 threads stay on the 128-thread form (SMALL = 0); from
+    2^19 on, the 512-thread form that gathers the output LSE, with out_lse [T, H] or [H, T]
     (8 heads: never the grouped form), up to 2^24 threads and past it; on both paths and both
     plans. An unaligned call keeps the 128-thread form (the others are built for vector packs
     only)."""
     H, D = 8, 128  # 16 packs of 8 bf16 per row: 128 threads per token
     bf16 = ("zk_bfloat16", "zk_bfloat16", 8)
     for T, expected in [
-        (2**11 - 1, ("merge_state_flat_kernel", (*bf16, 0), 2**11 - 1)),
-        (2**11, ("merge_state_flat_gathered_kernel", bf16, 2**9)),
-        (2**11 + 1, ("merge_state_flat_gathered_kernel", bf16, 2**9 + 1)),
+        (2**12 - 1, ("merge_state_flat_kernel", (*bf16, 0), 2**12 - 1)),
+        (2**12, ("merge_state_flat_gathered_kernel", bf16, 2**10)),
+        (2**12 + 1, ("merge_state_flat_gathered_kernel", bf16, 2**10 + 1)),
         (2**17, ("merge_state_flat_gathered_kernel", bf16, 2**15)),
     ]:
         for ht in (False, True):
             assert _both_plans(recorded, T, H, D, out_lse_ht=ht) == (expected, expected)
     scalar = ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 0))
-    assert _unaligned_two(recorded, 2**11, H, D) == (*scalar, 2**14)
+    assert _unaligned_two(recorded, 2**12, H, D) == (*scalar, 2**15)
 
 
 def test_an_h_t_out_lse_with_many_heads_takes_the_grouped_form_from_2_22_threads(recorded):

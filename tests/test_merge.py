@@ -325,9 +325,9 @@ def _lse_layout(T: int, H: int, kind: str) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["TH", "HT", "TH-padded", "HT-padded", "strided"])
-@pytest.mark.parametrize("T, H, D", [(4099, 12, 72), (8200, 129, 128), (8201, 128, 128)])
+@pytest.mark.parametrize("T, H, D", [(4099, 15, 72), (8200, 129, 128), (8201, 128, 128)])
 def test_many_waves_write_every_lse_once_in_every_layout(kind, T, H, D):
-    """Calls from 2^18 threads gather the output LSE per block of 512 (4099 x 12 x 72: rows of
+    """Calls from 2^19 threads gather the output LSE per block of 512 (4099 x 15 x 72: rows of
     9 packs cut by the blocks' edges, a partial last block); from 2^22 threads with 128 or
     more heads an out_lse laid [H, T] is written by groups of 8 tokens (one cut short by
     T = 8201), any other layout gathered: padded axes, an out_lse with no unit-stride axis, the
@@ -350,10 +350,10 @@ def test_many_waves_write_every_lse_once_in_every_layout(kind, T, H, D):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("T, H", [(2049, 8), (4099, 33), (16383, 64)])
-def test_grids_from_2_18_threads_in_blocks_of_512(dtype, T, H):
-    """Aligned calls from 2^18 packs take the flat kernel in blocks of 512 with the output LSE
-    gathered (16-bit: the first shape is 128 packs past 2^18, the second ends in a partial
+@pytest.mark.parametrize("T, H", [(4097, 8), (4099, 33), (16383, 64)])
+def test_grids_from_2_19_threads_in_blocks_of_512(dtype, T, H):
+    """Aligned calls from 2^19 packs take the flat kernel in blocks of 512 with the output LSE
+    gathered (16-bit: the first shape is 128 packs past 2^19, the second ends in a partial
     block, the third is 1024 packs short of 2^24); two-state merge_states takes it too."""
     D = 128
     v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=T + H)
@@ -361,13 +361,19 @@ def test_grids_from_2_18_threads_in_blocks_of_512(dtype, T, H):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [8200, 16400], ids=["2GB-spans", "past-int32-elements"])
-def test_spans_past_two_gigabytes_and_past_int32_elements(T):
-    """bf16 [T, 128, 1024]. T = 8200: 2.15 GB per tensor in 1.07e9 elements, so the 32-bit
-    kernels run, with element offsets below 2^31 and byte offsets above; T = 16400: 2.15e9
-    elements, the flat kernel's 64-bit form (64-bit strides and offsets). The sample holds the
-    last rows (the largest offsets), with empty states of NaN V among them."""
-    H, D = 128, 1024
+@pytest.mark.parametrize(
+    "T, D, lse_ht",
+    [(8200, 1024, False), (16400, 1024, False), (16400, 1024, True), (131080, 128, True)],
+    ids=["2GB-spans", "past-int32-elements", "past-int32-elements-lse-ht", "past-int32-short-rows-lse-ht"],
+)
+def test_spans_past_two_gigabytes_and_past_int32_elements(T, D, lse_ht):
+    """bf16 [T, 128, D]. T = 8200, D = 1024: 2.15 GB per tensor in 1.07e9 elements, so the
+    32-bit kernels run, with element offsets below 2^31 and byte offsets above; past 2^31
+    elements, the flat kernel's 64-bit forms (64-bit strides and offsets): in blocks of 512 with
+    the output LSE gathered, and for rows of 16 packs with an out_lse laid [H, T], in blocks of
+    128. The sample holds the last rows (the largest offsets), with empty states of NaN V among
+    them."""
+    H = 128
     need = 3 * T * H * D * 2 + T * H * D + 2**30  # V in, out, the NaN-row scan's mask
     if torch.cuda.mem_get_info()[0] < need:
         pytest.skip(f"needs {need / 1e9:.1f} GB of free GPU memory")
@@ -381,7 +387,7 @@ def test_spans_past_two_gigabytes_and_past_int32_elements(T):
     s_b[-2, 1::2] = INF
     v_b[-2, 1::2] = NAN
     out = torch.full_like(v_a, NAN)
-    lse = torch.full_like(s_a, NAN)
+    lse = torch.full((H, T), NAN, device="cuda").T if lse_ht else torch.full_like(s_a, NAN)
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
     _compare(out, lse, v_a, s_a, v_b, s_b, torch.bfloat16)
 

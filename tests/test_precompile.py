@@ -42,6 +42,8 @@ def test_bf16_merge_state_builds_bf16_in_and_out_only(fake_device):
     grouped = _where(_kernels.MERGE_STATE_FLAT_GROUPED, bf16)
     expected += [("merge_state_flat_grouped_kernel", e, 3) for e in grouped]
     expected += [("merge_state_flat64_kernel", e, 3) for e in _where(_kernels.MERGE_STATE_FLAT64, bf16)]
+    wide_gathered = _where(_kernels.MERGE_STATE_FLAT64_GATHERED, bf16)
+    expected += [("merge_state_flat64_gathered_kernel", e, 3) for e in wide_gathered]
     assert fake_device == expected
     assert n == len(expected) >= 2  # a vector and a scalar path at least
     assert {t[2] for t in _kernels.MERGE_STATE.instances if t[:2] == ("zk_bfloat16", "zk_bfloat16")} == {1, 8}
@@ -54,6 +56,7 @@ def test_dtypes_select_every_combination_among_them(fake_device):
     expected += _where(_kernels.MERGE_STATE_FLAT_GATHERED, lambda t: t[:2] in pairs)
     expected += _where(_kernels.MERGE_STATE_FLAT_GROUPED, lambda t: t[:2] in pairs)
     expected += _where(_kernels.MERGE_STATE_FLAT64, lambda t: t[:2] in pairs)
+    expected += _where(_kernels.MERGE_STATE_FLAT64_GATHERED, lambda t: t[:2] in pairs)
     expected += _where(_kernels.MERGE_STATES, lambda t: t[:2] in pairs)
     assert [e for _, e, _ in fake_device] == expected
     assert {t[:2] for t in _kernels.MERGE_STATES.instances if t[:2] in pairs} == pairs

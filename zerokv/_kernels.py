@@ -147,7 +147,7 @@ def _many_waves_form(name: str, block: int) -> Kernel:
     return Kernel(stem="merge", name=name, instances=instances, block=block, params=MERGE_STATE_FLAT.params)
 
 
-# blocks of 512, the output LSE gathered through shared memory: grids from 2^18 threads
+# blocks of 512, the output LSE gathered through shared memory: grids from 2^19 threads
 MERGE_STATE_FLAT_GATHERED = _many_waves_form("merge_state_flat_gathered_kernel", 512)
 # an [H, T] output LSE written by groups of 8 tokens: large grids with many heads
 MERGE_STATE_FLAT_GROUPED = _many_waves_form("merge_state_flat_grouped_kernel", 128)
@@ -160,6 +160,14 @@ MERGE_STATE_FLAT64 = Kernel(
     instances=tuple((ci, co, vec(i), 0) for ci, i in _V for co, _ in _V),
     block=128,
     params=tuple((n, "i64" if n.endswith(("_st", "_sh")) else c) for n, c in MERGE_STATE_FLAT.params),
+)
+# ... and its form in blocks of 512 with the output LSE gathered
+MERGE_STATE_FLAT64_GATHERED = Kernel(
+    stem="merge",
+    name="merge_state_flat64_gathered_kernel",
+    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V),
+    block=512,
+    params=MERGE_STATE_FLAT64.params,
 )
 
 MERGE_STATES = Kernel(
@@ -245,6 +253,7 @@ KERNELS: tuple[Kernel, ...] = (
     MERGE_STATE_FLAT_GATHERED,
     MERGE_STATE_FLAT_GROUPED,
     MERGE_STATE_FLAT64,
+    MERGE_STATE_FLAT64_GATHERED,
     MERGE_STATES,
     EMPTY_ROWS,
     CP_PACK_LSE,

@@ -272,7 +272,7 @@ class _MergePlan:
         if wide:
             if threads >= _INT32 or vec == 1:
                 return False
-            form = _FLAT_64
+            form = _FLAT_64 if _groups_tokens(threads, H, packs, stl) else _FLAT_64_GATHERED
         elif threads >= _FLAT_GATHERED_THREADS and vec > 1:
             grouped = _groups_tokens(threads, H, packs, stl)  # packs: of 16 bytes here
             form = _FLAT_GROUPED if grouped else _FLAT_GATHERED
@@ -534,12 +534,14 @@ _INT32 = 1 << 31
 _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 # Aligned calls of at least this many threads (one per pack) take the flat kernel in blocks of
 # 512 with the output LSE gathered through shared memory (merge.cu): measured on an H200 over
-# the grid (bench/NOTES.md), 0.5-1.5 % faster than blocks of 128 from 2^18 threads on with a
-# [T, H] out_lse, and with an [H, T] one at D = 512; slower below 2^18 for fp16.
-_FLAT_GATHERED_THREADS = 1 << 18
+# the grid (bench/NOTES.md), 0.5-1.5 % faster than blocks of 128 from 2^19 threads on, up to
+# 1.2 % slower at 2^18.
+_FLAT_GATHERED_THREADS = 1 << 19
 # ... except an out_lse laid [H, T] from 2^22 threads with at least 32 heads of at most 16
 # packs of 16 bytes: the form that writes the output LSE by groups of 8 tokens, 0.5-4 % faster
 # there (its group's rows lie in the same wave), slower with fewer heads, longer rows or grids.
+# Wide calls (64-bit offsets) take the 64-bit form in blocks of 512 with the LSE gathered,
+# those same calls excepted: they take the 64-bit form in blocks of 128 (no grouped variant).
 _FLAT_GROUPED_MIN = (1 << 22, 32, 16)  # threads, heads, 16-byte packs per row
 
 
@@ -567,8 +569,9 @@ _FLAT_FORMS = (
     (_kernels.MERGE_STATE_FLAT_GATHERED, ()),
     (_kernels.MERGE_STATE_FLAT, (1,)),
     (_kernels.MERGE_STATE_FLAT_GROUPED, ()),
+    (_kernels.MERGE_STATE_FLAT64_GATHERED, ()),
 )
-_FLAT_64, _FLAT_GATHERED, _FLAT_NARROW, _FLAT_GROUPED = 2, 3, 4, 5
+_FLAT_64, _FLAT_GATHERED, _FLAT_NARROW, _FLAT_GROUPED, _FLAT_64_GATHERED = 2, 3, 4, 5, 6
 # Grids of at most this many blocks per SM take the flat kernel's SMALL form: measured on an
 # H200 (bench/NOTES.md), 3-6 % faster up to 256 blocks, even at 1024, 4 % slower at 4096.
 _FLAT_SMALL_BLOCKS_PER_SM = 4

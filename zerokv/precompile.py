@@ -19,6 +19,7 @@ _FLAT = (
     "merge_state_flat_gathered_kernel",
     "merge_state_flat_grouped_kernel",
     "merge_state_flat64_kernel",
+    "merge_state_flat64_gathered_kernel",
 )
 # public op -> which kernel instantiations it launches (the compat adapters use the same ones);
 # the empty-row kernel's third template argument is its emptiness rule
