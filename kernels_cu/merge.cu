@@ -397,8 +397,10 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_kernel) merge_stat
 
 // The 64-bit form in blocks of 512 with the output LSE gathered, for every wide call but those
 // that would take the grouped form (merge.py): 0.5-1 % faster than merge_state_flat64_kernel.
+// Held to 32 registers, 4 blocks per SM: unbounded, the GPU's NVRTC gave the fp16 form 34
+// registers (3 blocks per SM, 7 % slower; 32 from the NVRTC of this project's CI).
 template <typename Tin, typename Tout, int VEC>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel) merge_state_flat64_gathered_kernel(
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4) merge_state_flat64_gathered_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs,
     unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
