@@ -328,8 +328,8 @@ def _lse_layout(T: int, H: int, kind: str) -> torch.Tensor:
 @pytest.mark.parametrize("T, H, D", [(4099, 15, 72), (8200, 129, 128), (8201, 128, 128)])
 def test_many_waves_write_every_lse_once_in_every_layout(kind, T, H, D):
     """Calls from 2^19 threads gather the output LSE per block of 512 (4099 x 15 x 72: rows of
-    9 packs cut by the blocks' edges, a partial last block); from 2^22 threads with 128 or
-    more heads an out_lse laid [H, T] is written by groups of 8 tokens (one cut short by
+    9 packs cut by the blocks' edges, a partial last block); from 2^22 threads with 32 heads or
+    more (here 128 and 129) an out_lse laid [H, T] is written by groups of 8 tokens (one cut short by
     T = 8201), any other layout gathered: padded axes, an out_lse with no unit-stride axis, the
     suffix past prefix_rows by the empty rule and, through vLLM's adapter, verbatim. Every
     row's LSE is checked (one left unwritten stays NaN), V on a sample of rows."""
