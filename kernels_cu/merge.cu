@@ -258,7 +258,7 @@ constexpr int LSE_ROW = 0, LSE_GROUP = 1, LSE_GATHER = 2;
 
 // The output LSEs of a block, gathered: the rows whose pack 0 lies in the block go through
 // shared memory and out from its first threads, so that rows beside each other in out_lse
-// leave in one warp's store instead of one store from each row's warp (0.5-1 % faster from
+// leave in one warp's store instead of one store from each row's warp (0.5-2 % faster from
 // 2^19 threads on with a [T, H] out_lse, and at D = 512 with [H, T]; bench/NOTES.md). Every
 // thread of the block calls it (a barrier inside): those past the last row with has = false.
 template <int BLOCK, typename I>

@@ -534,8 +534,8 @@ _INT32 = 1 << 31
 _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 # Aligned calls of at least this many threads (one per pack) take the flat kernel in blocks of
 # 512 with the output LSE gathered through shared memory (merge.cu): measured on an H200 over
-# the grid (bench/NOTES.md), 0.5-1.5 % faster than blocks of 128 from 2^19 threads on, up to
-# 1.2 % slower at 2^18.
+# the grid (bench/NOTES.md), 0.5-2 % faster than the forms before it from 2^19 threads on, up
+# to 2.7 % slower at 2^18.
 _FLAT_GATHERED_THREADS = 1 << 19
 # ... except an out_lse laid [H, T] from 2^22 threads with at least 32 heads of at most 16
 # packs of 16 bytes: the form that writes the output LSE by groups of 8 tokens, 0.5-4 % faster
