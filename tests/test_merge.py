@@ -361,6 +361,22 @@ def test_grids_from_2_19_threads_in_blocks_of_512(dtype, T, H):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("lse_ht", [False, True], ids=["lse-th", "lse-ht"])
+def test_rows_longer_than_a_block_of_512(dtype, lse_ht):
+    """D = 8200: rows of 1025 (bf16) or 2050 (float32) packs of 16 bytes, in the gathered form
+    (64 x 9 rows, past 2^19 packs): each row spans two to five blocks of 512, most blocks hold no
+    row's first pack and write no LSE; every row's LSE is written once, by the block of its
+    first pack."""
+    T, H, D = 64, 9, 8200
+    v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=D)
+    out = torch.full((T, H, D), NAN, dtype=dtype, device="cuda")
+    lse = torch.full((H, T), NAN, device="cuda").T if lse_ht else torch.full((T, H), NAN, device="cuda")
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
+    _compare(out, lse, v_a, s_a, v_b, s_b, dtype, sample=T * H * D)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(
     "T, D, lse_ht",
     [(8200, 1024, False), (16400, 1024, False), (16400, 1024, True), (131080, 128, True)],
