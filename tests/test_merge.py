@@ -371,7 +371,7 @@ def test_rows_longer_than_a_block_of_512(dtype, lse_ht):
     T, H, D = 64, 9, 8200
     v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=D)
     out = torch.full((T, H, D), NAN, dtype=dtype, device="cuda")
-    lse = torch.full((H, T), NAN, device="cuda").T if lse_ht else torch.full((T, H), NAN, device="cuda")
+    lse = _lse_layout(T, H, "HT" if lse_ht else "TH")
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
     _compare(out, lse, v_a, s_a, v_b, s_b, dtype, sample=T * H * D)
 
@@ -403,7 +403,7 @@ def test_spans_past_two_gigabytes_and_past_int32_elements(T, D, lse_ht):
     s_b[-2, 1::2] = INF
     v_b[-2, 1::2] = NAN
     out = torch.full_like(v_a, NAN)
-    lse = torch.full((H, T), NAN, device="cuda").T if lse_ht else torch.full_like(s_a, NAN)
+    lse = _lse_layout(T, H, "HT" if lse_ht else "TH")
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
     _compare(out, lse, v_a, s_a, v_b, s_b, torch.bfloat16)
 
