@@ -208,63 +208,39 @@ __device__ __forceinline__ RowCoef flat_row_coef(int t, float la, float lb, int 
   return c;
 }
 
-// The output LSEs of the largest calls with an out_lse laid [H, T], one 32-byte sector per
-// thread: the rows of 8 tokens beside each other go in a group, and the pack-0 thread of the
-// group's first token computes the other rows' LSEs too (their inputs lie in the sectors of its
-// own, for LSEs laid like the output) and writes the group in two 16-byte stores. Row by row, a
-// sector takes 8 partial writes from as many SMs; the rows of a group lie H x packs threads
-// apart, in other blocks, so the group costs a second round trip to memory: it pays from 2^22
-// threads with at least 32 heads of at most 16 packs (bench/NOTES.md). An out_lse whose tokens
-// are not unit-stride is written row by row. The caller is the live pack-0 thread of row
-// (t, h). Not inlined: inlined, its registers moved the kernel's V loads behind the LSE
-// arithmetic (two round trips to memory, 3 % slower).
-template <typename I>
-__device__ __noinline__ void store_lse_group(const float* sa, const float* sb, float* olse, int rows, int H,
-                                             unsigned H_mul, int H_shr, int t, int h, float lse, I sa_st, I sa_sh,
-                                             I sb_st, I sb_sh, I ol_st, I ol_sh, int prefix_rows,
-                                             int suffix_verbatim, float k, float inv_k) {
-  float* q = olse + ((I)t * ol_st + (I)h * ol_sh);
-  if (ol_st != 1) {
-    *q = lse;
-    return;
-  }
-  if (t & 7) return;  // written by the group's first token
-  const int n = min(8, (int)fast_div((unsigned)rows, H_mul, H_shr) - t);
-  float v[8];
-  v[0] = lse;
-#pragma unroll
-  for (int j = 1; j < 8; ++j) {
-    const int tj = t + (j < n ? j : 0);
-    const float la = __ldg(sa + ((I)tj * sa_st + (I)h * sa_sh));
-    const float lb = __ldg(sb + ((I)tj * sb_st + (I)h * sb_sh));
-    v[j] = flat_row_coef(tj, la, lb, prefix_rows, suffix_verbatim, k, inv_k).lse;
-  }
-  if (n == 8 && (reinterpret_cast<unsigned long long>(q) & 15) == 0) {
-    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(q), "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3])
-                 : "memory");
-    asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(q + 4), "f"(v[4]), "f"(v[5]), "f"(v[6]),
-                 "f"(v[7]) : "memory");
+// Row r of the flat kernel -> its token (returned) and head. In the natural order r = t H + h,
+// that of V in memory. TILE: rows walked in tiles of 8 tokens of one head,
+// r = 8 (H (t / 8) + h) + t % 8, up to tiled_rows = H (T & ~7); the rows of the last tokens
+// (fewer than 8) after them in the natural order. For an LSE laid [H, T] the rows a warp or a
+// block holds then lie 8 beside each other in memory: the output LSE leaves in whole 32-byte
+// sectors instead of 4 bytes of a sector from each of 8 blocks, and a warp's LSE loads touch
+// fewer sectors (1.5-6 % faster from 2^19 threads; bench/NOTES.md).
+template <bool TILE>
+__device__ __forceinline__ int flat_token(unsigned r, int H, unsigned H_mul, int H_shr, unsigned tiled_rows, int& h) {
+  if constexpr (TILE) {
+    const bool tiled = r < tiled_rows;
+    const unsigned n = tiled ? r >> 3 : r;
+    const int q = (int)fast_div(n, H_mul, H_shr);
+    h = (int)n - q * H;
+    return tiled ? q * 8 + (int)(r & 7u) : q;
   } else {
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-      if (j < n) q[j] = v[j];
+    const int t = (int)fast_div(r, H_mul, H_shr);
+    h = (int)r - t * H;
+    return t;
   }
 }
-
-// How the flat kernel writes a row's output LSE: the pack-0 thread of the row (ROW), the
-// group write of store_lse_group (GROUP), or gathered in shared memory and written by the
-// block's first threads, one row each (GATHER).
-constexpr int LSE_ROW = 0, LSE_GROUP = 1, LSE_GATHER = 2;
 
 // The output LSEs of a block, gathered: the rows whose pack 0 lies in the block go through
 // shared memory and out from its first threads, so that rows beside each other in out_lse
 // leave in one warp's store instead of one store from each row's warp (0.5-2 % faster from
-// 2^19 threads on with a [T, H] out_lse, and at D = 512 with [H, T]; bench/NOTES.md). Every
-// thread of the block calls it (a barrier inside): those past the last row with has = false.
-template <int BLOCK, typename I>
+// 2^19 threads on; bench/NOTES.md); with rows in tiles (TILE) an out_lse laid [H, T] takes whole
+// sectors. Every thread of the block calls it (a barrier inside): those past the last row with
+// has = false.
+template <int BLOCK, bool TILE, typename I>
 __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsigned row, float lse, int rows,
                                                    int packs, unsigned packs_mul, int packs_shr, int H,
-                                                   unsigned H_mul, int H_shr, I ol_st, I ol_sh) {
+                                                   unsigned H_mul, int H_shr, unsigned tiled_rows, I ol_st,
+                                                   I ol_sh) {
   __shared__ float s_lse[BLOCK];
   const unsigned i0 = blockIdx.x * (unsigned)BLOCK;
   const unsigned q = fast_div(i0, packs_mul, packs_shr);
@@ -275,7 +251,8 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
   const unsigned end = fast_div(end_thread - 1u, packs_mul, packs_shr) + 1u;
   const unsigned r = first + threadIdx.x;
   if (r < end) {
-    const int t = (int)fast_div(r, H_mul, H_shr), h = (int)r - t * H;
+    int h;
+    const int t = flat_token<TILE>(r, H, H_mul, H_shr, tiled_rows, h);
     olse[(I)t * ol_st + (I)h * ol_sh] = s_lse[threadIdx.x];
   }
 }
@@ -283,49 +260,52 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
 // The engine's common call (no a_empty, row mask, sinks or fp8 scale; out_lse not written in
 // place) in the smallest form: one thread per pack of V (thread i: row i / packs, pack i % packs,
 // both without a division), the two V loads and the two LSE loads issued before any arithmetic.
-// The row's LSE is written as LSE says. I: the type of the strides and of the offsets formed
-// from them; int when every tensor spans fewer than 2^31 elements, else long long
-// (merge_state_flat64_kernel); the thread index is 32-bit in all (the host keeps rows x packs
-// below 2^31).
+// I: the type of the strides and of the offsets formed from them; int when every tensor spans
+// fewer than 2^31 elements, else long long (merge_state_flat64_gathered_kernel); the thread
+// index is 32-bit in all (the host keeps rows x packs below 2^31).
 //
-// SMALL = 1 (grids of a few waves, where a call is latency-bound): no branch before the loads,
-// so every parameter load is issued at once and the V loads go out first; a thread past the
-// last row loads row 0 (inside the tensors) and stores nothing. 3-6 % faster on small grids,
+// SMALL = 1 (grids of one wave, where a call is latency-bound): no branch before the loads, so
+// every parameter load is issued at once and the V loads go out first; a thread past the last
+// row loads row 0 (inside the tensors) and stores nothing. 1-6 % faster on grids of one wave,
 // up to 4 % slower on grids of many waves, which take SMALL = 0 and its early return
-// (bench/NOTES.md); the gathered form needs every thread at its barrier, so it takes SMALL = 1
-// too. The smallest calls of 16-bit inputs take SMALL = 1 in packs of 8 bytes (VEC 4): twice
-// the threads, each with half the values to widen after its loads arrive. In every form,
-// nothing branches after the loads either: the stores are predicated instructions, not code a
-// branch jumps over (a branch region there cost up to 0.05 µs of a 1.4 µs call).
-template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I, int LSE = LSE_ROW>
+// (bench/NOTES.md); the gathered forms need every thread at their barrier, so they take
+// SMALL = 1 too. The smallest calls of 16-bit inputs take SMALL = 1 in packs of 8 bytes
+// (VEC 4): twice the threads, each with half the values to widen after its loads arrive. In
+// every form, nothing branches after the loads either: the stores are predicated
+// instructions, not code a branch jumps over (a branch region there cost up to 0.05 µs of a
+// 1.4 µs call).
+//
+// GATHER: the rows' output LSEs through shared memory (store_lse_gathered), else each from its
+// row's pack-0 thread. TILE: rows in tiles of 8 tokens (flat_token), for an out_lse laid [H, T].
+template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I, bool GATHER = false,
+          bool TILE = false>
 __device__ __forceinline__ void merge_flat(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs, unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
     I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh, I vb_st, I vb_sh,
     I out_st, I out_sh, I ol_st, I ol_sh, int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  static_assert(LSE != LSE_GATHER || SMALL, "the gathered form's barrier needs every thread");
+  static_assert(!GATHER || SMALL, "the gathered form's barrier needs every thread");
   const unsigned i = blockIdx.x * (unsigned)BLOCK + threadIdx.x;
   const unsigned row0 = fast_div(i, packs_mul, packs_shr);
   const bool live = row0 < (unsigned)rows;
   if (!SMALL && !live) return;
   const unsigned row = live ? row0 : 0u;
   const int p = live ? (int)(i - row0 * (unsigned)packs) : 0;
-  const int t32 = (int)fast_div(row, H_mul, H_shr);
-  const I t = t32, h = (int)row - t32 * H, d = p * VEC;
+  unsigned tiled_rows = 0;  // rows in tiles of 8 tokens: H (T & ~7), the same for every thread
+  if constexpr (TILE) tiled_rows = (fast_div((unsigned)rows, H_mul, H_shr) & ~7u) * (unsigned)H;
+  int h32;
+  const int t32 = flat_token<TILE>(row, H, H_mul, H_shr, tiled_rows, h32);
+  const I t = t32, h = h32, d = p * VEC;
   const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
   const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
   const float la = __ldg(sa + (t * sa_st + h * sa_sh));
   const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
   const RowCoef c = flat_row_coef(t32, la, lb, prefix_rows, suffix_verbatim, k, inv_k);
   store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + d), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
-  if constexpr (LSE == LSE_GROUP) {
-    if (p == 0 && olse != nullptr)  // live: the others returned (LSE_GROUP implies SMALL = 0)
-      store_lse_group<I>(sa, sb, olse, rows, H, H_mul, H_shr, t32, (int)h, c.lse, sa_st, sa_sh, sb_st, sb_sh,
-                         ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
-  } else if constexpr (LSE == LSE_GATHER) {
+  if constexpr (GATHER) {
     if (olse != nullptr)  // the same for the whole block
-      store_lse_gathered<BLOCK, I>(olse, live && p == 0, row, c.lse, rows, packs, packs_mul, packs_shr, H, H_mul,
-                                   H_shr, ol_st, ol_sh);
+      store_lse_gathered<BLOCK, TILE, I>(olse, live && p == 0, row, c.lse, rows, packs, packs_mul, packs_shr, H,
+                                         H_mul, H_shr, tiled_rows, ol_st, ol_sh);
   } else {
     store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
   }
@@ -351,8 +331,8 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
 
 // The many-waves form from 2^19 threads on, in blocks of 512 with the output LSE gathered
 // (store_lse_gathered); its SMALL = 1 form (no early return), which measured even with SMALL = 0
-// on these grids.
-template <typename Tin, typename Tout, int VEC>
+// on these grids. TILE = 1 for an out_lse laid [H, T] (merge.py).
+template <typename Tin, typename Tout, int VEC, int TILE>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel) merge_state_flat_gathered_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs,
@@ -360,46 +340,16 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel) mer
     int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
     int out_st, int out_sh, int ol_st, int ol_sh,
     int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat_gathered_kernel, int, LSE_GATHER>(
+  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat_gathered_kernel, int, true, TILE != 0>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }
 
-// The many-waves form for an out_lse laid [H, T] (unit stride along tokens) from 2^22 threads
-// on with many heads and short rows, its output LSE written by groups of 8 tokens
-// (store_lse_group); held to 32 registers, 16 blocks per SM (inlined, the group code took 40
-// for bf16: 12 blocks per SM, 2-3 % slower).
-template <typename Tin, typename Tout, int VEC>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_grouped_kernel, 16) merge_state_flat_grouped_kernel(
-    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
-    int rows, int H, int packs,
-    unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
-    int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
-    int out_st, int out_sh, int ol_st, int ol_sh,
-    int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  merge_flat<Tin, Tout, VEC, 0, ZK_BLOCK_merge_state_flat_grouped_kernel, int, LSE_GROUP>(
-      va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
-      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
-}
-
-template <typename Tin, typename Tout, int VEC, int SMALL>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_kernel) merge_state_flat64_kernel(
-    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
-    int rows, int H, int packs,
-    unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
-    i64 sa_st, i64 sa_sh, i64 sb_st, i64 sb_sh, i64 va_st, i64 va_sh, i64 vb_st, i64 vb_sh,
-    i64 out_st, i64 out_sh, i64 ol_st, i64 ol_sh,
-    int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  merge_flat<Tin, Tout, VEC, SMALL, ZK_BLOCK_merge_state_flat64_kernel, i64>(
-      va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
-      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
-}
-
-// The 64-bit form in blocks of 512 with the output LSE gathered, for every wide call but those
-// that would take the grouped form (merge.py): 0.5-1 % faster than merge_state_flat64_kernel.
-// Held to 32 registers, 4 blocks per SM: unbounded, the GPU's NVRTC gave the fp16 form 34
-// registers (3 blocks per SM, 7 % slower; 32 from the NVRTC of this project's CI).
-template <typename Tin, typename Tout, int VEC>
+// The same for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still
+// 32-bit; aligned calls only. Held to 32 registers, 4 blocks per SM: unbounded, the GPU's NVRTC
+// gave the fp16 form 34 registers (3 blocks per SM, 7 % slower; 32 from the NVRTC of this
+// project's CI).
+template <typename Tin, typename Tout, int VEC, int TILE>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4) merge_state_flat64_gathered_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs,
@@ -407,7 +357,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4
     i64 sa_st, i64 sa_sh, i64 sb_st, i64 sb_sh, i64 va_st, i64 va_sh, i64 vb_st, i64 vb_sh,
     i64 out_st, i64 out_sh, i64 ol_st, i64 ol_sh,
     int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat64_gathered_kernel, i64, LSE_GATHER>(
+  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat64_gathered_kernel, i64, true, TILE != 0>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }

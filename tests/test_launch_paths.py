@@ -244,19 +244,19 @@ def test_tensors_past_two_gigabytes_keep_32_bit_math_below_2_31_elements(recorde
     s_a, s_b, out_lse = torch.randn(T, H), torch.randn(T, H), torch.empty(T, H)
     objs = (v_a, s_a, v_b, s_b, out, out_lse)
     _both_two(recorded, objs)
-    assert recorded[-1][:2] == ("merge_state_flat_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8))
+    assert recorded[-1][:2] == ("merge_state_flat_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0))
     del v_a, v_b
     # merge_states, N = 2: the states as one [2, T, H, D] tensor of 2^31 + 16384 elements
     v, s = torch.empty(2, T // 2, H, D, dtype=torch.bfloat16), torch.randn(2, T // 2, H)
     _both_n(recorded, (v, s, out[: T // 2], out_lse[: T // 2], None, None))
-    assert recorded[-1][:2] == ("merge_state_flat_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8))
+    assert recorded[-1][:2] == ("merge_state_flat_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0))
 
 
 def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
     """A V whose token stride spans 2^31 elements: the flat kernel's 64-bit form in blocks of
     512 (its strides are 64-bit parameters), on both paths of merge_state and of a two-state
-    merge_states; with an out_lse laid [H, T], 32 heads of 16 packs and 2^22 threads, the
-    64-bit form in blocks of 128; an unaligned call of that size takes the row-group kernel's
+    merge_states, its rows in tiles of 8 tokens for an out_lse laid [H, T] (also at 2^22
+    threads), not for [T, H]; an unaligned call of that size takes the row-group kernel's
     64-bit form. One 4.3 GB buffer, never written, so its pages are never touched."""
     T, H, D = 2, 8, 128
     base = torch.empty(2**31 + 2**20, dtype=torch.bfloat16)
@@ -265,28 +265,27 @@ def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
     objs = (wide, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(H, T).T)
     _both_two(recorded, objs)
     name, targs, grid, packed = recorded[-1]
-    assert (name, targs, grid) == ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 1)
+    assert (name, targs, grid) == (
+        "merge_state_flat64_gathered_kernel",
+        ("zk_bfloat16", "zk_bfloat16", 8, 1),
+        1,
+    )
     assert _kernels.MERGE_STATE_FLAT64_GATHERED.packer.unpack(packed)[17] == 2**31  # va_st, 64-bit
 
     # two states 2^31 elements apart in one buffer
     v = base.as_strided((2, T, H, D), (2**31, H * D, D, 1))
     out_n = torch.empty(T, H, D, dtype=torch.bfloat16)
     _both_n(recorded, (v, torch.randn(2, T, H), out_n, torch.empty(T, H), None, None))
-    assert recorded[-1][:3] == ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 1)
+    assert recorded[-1][:3] == ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 1)
 
-    # many heads of short rows, out_lse [H, T], 2^22 threads: a token stride of 2^18 + 40
-    # elements spans 2^31 + 2^16 in 2^13 tokens
+    # many heads of short rows, 2^22 threads: a token stride of 2^18 + 40 elements spans
+    # 2^31 + 2^16 in 2^13 tokens
     Tw, Hw = 2**13, 32
     wide = base.as_strided((Tw, Hw, D), (2**18 + 40, D, 1))
     v_b, s_a, s_b = torch.empty(Tw, Hw, D, dtype=torch.bfloat16), torch.randn(Tw, Hw), torch.randn(Tw, Hw)
-    for out_lse, expected in [
-        (torch.empty(Hw, Tw).T, ("merge_state_flat64_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 2**15)),
-        (
-            torch.empty(Tw, Hw),
-            ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**13),
-        ),
-    ]:
+    for out_lse, tile in [(torch.empty(Hw, Tw).T, 1), (torch.empty(Tw, Hw), 0)]:
         _both_two(recorded, (wide, s_a, v_b, s_b, torch.empty(Tw, Hw, D, dtype=torch.bfloat16), out_lse))
+        expected = ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8, tile), 2**13)
         assert recorded[-1][:3] == expected
     v_b, s_a, s_b = torch.randn(T, H, D, dtype=torch.bfloat16), torch.randn(T, H), torch.randn(T, H)
 
@@ -297,11 +296,11 @@ def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
     assert recorded[-1][:2] == ("merge_state_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 1, 0, "long long"))
 
 
-def test_the_flat_kernel_takes_its_small_form_up_to_four_blocks_per_sm(recorded):
-    """SMALL = 1 up to 4 x 132 blocks of 128 threads (packs of 8 bf16), SMALL = 0 past it, on
-    both paths and both plans."""
+def test_the_flat_kernel_takes_its_small_form_for_grids_of_one_wave(recorded):
+    """SMALL = 1 up to 16 x 132 blocks of 128 threads (packs of 8 bf16: one wave on 132 SMs),
+    SMALL = 0 past it, on both paths and both plans."""
     H, D = 8, 128  # 16 packs per row, 8 rows per block: T blocks
-    for T, small in [(5, 1), (528, 1), (529, 0), (2047, 0)]:
+    for T, small in [(5, 1), (528, 1), (2112, 1), (2113, 0), (4095, 0)]:
         expected = ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, small), T)
         assert _both_plans(recorded, T, H, D) == (expected, expected)
 
@@ -330,41 +329,45 @@ def test_the_smallest_16_bit_calls_take_the_small_form_in_8_byte_packs(recorded)
 
 def test_calls_of_2_19_threads_take_the_gathered_form(recorded):
     """One thread per pack: 2^19 - 128 threads stay on the 128-thread form (SMALL = 0); from
-    2^19 on, the 512-thread form that gathers the output LSE, with out_lse [T, H] or [H, T]
-    (8 heads: never the grouped form), up to 2^24 threads and past it; on both paths and both
+    2^19 on, the 512-thread form that gathers the output LSE, its rows in tiles of 8 tokens
+    with out_lse [H, T], not [T, H], up to 2^24 threads and past it; on both paths and both
     plans. An unaligned call keeps the 128-thread form (the others are built for vector packs
     only)."""
     H, D = 8, 128  # 16 packs of 8 bf16 per row: 128 threads per token
     bf16 = ("zk_bfloat16", "zk_bfloat16", 8)
-    for T, expected in [
-        (2**12 - 1, ("merge_state_flat_kernel", (*bf16, 0), 2**12 - 1)),
-        (2**12, ("merge_state_flat_gathered_kernel", bf16, 2**10)),
-        (2**12 + 1, ("merge_state_flat_gathered_kernel", bf16, 2**10 + 1)),
-        (2**17, ("merge_state_flat_gathered_kernel", bf16, 2**15)),
-    ]:
-        for ht in (False, True):
+    for ht in (False, True):
+        gathered = ("merge_state_flat_gathered_kernel", (*bf16, int(ht)))
+        for T, expected in [
+            (2**12 - 1, ("merge_state_flat_kernel", (*bf16, 0), 2**12 - 1)),
+            (2**12, (*gathered, 2**10)),
+            (2**12 + 1, (*gathered, 2**10 + 1)),
+            (2**17, (*gathered, 2**15)),
+        ]:
             assert _both_plans(recorded, T, H, D, out_lse_ht=ht) == (expected, expected)
     scalar = ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 1, 0))
     assert _unaligned_two(recorded, 2**12, H, D) == (*scalar, 2**15)
 
 
-def test_an_h_t_out_lse_with_many_heads_takes_the_grouped_form_from_2_22_threads(recorded):
-    """out_lse laid [H, T] with at least 32 heads of at most 16 packs: the form that writes it
-    by groups of tokens from 2^22 threads on; 2^22 - 512 threads, 16 heads, 32 packs per row or
-    an out_lse laid [T, H] take the gathered form. Both paths, both plans."""
+def test_the_gathered_form_tiles_rows_by_the_layout_of_out_lse_else_of_s_a(recorded):
+    """Rows in tiles of 8 tokens (TILE = 1) exactly when the LSE the kernel writes, or without
+    one the LSE it reads first, has unit stride along tokens: out_lse [H, T] whatever the
+    inputs, not [T, H]; without out_lse, s_a [H, T] and not [T, H]; any head count and row
+    length, T not a multiple of 8. Both paths of merge_state."""
     bf16 = ("zk_bfloat16", "zk_bfloat16", 8)
-    grouped = ("merge_state_flat_grouped_kernel", bf16, 2**15)
-    gathered = ("merge_state_flat_gathered_kernel", bf16, 2**13)
-    for T, H, D, ht, expected in [
-        (2**13, 32, 128, True, grouped),  # 512 threads per token
-        (2**11, 128, 128, True, grouped),
-        (2**14, 32, 64, True, ("merge_state_flat_grouped_kernel", bf16, 2**15)),
-        (2**13 - 1, 32, 128, True, ("merge_state_flat_gathered_kernel", bf16, 2**13 - 1)),
-        (2**14, 16, 128, True, gathered),
-        (2**12, 32, 256, True, gathered),
-        (2**13, 32, 128, False, gathered),
+    for T, H, D, lse_ht, out_ht, tile in [
+        (2**13, 32, 128, True, True, 1),
+        (2**13 + 3, 32, 128, False, True, 1),
+        (2**11 + 5, 128, 64, True, False, 0),
+        (2**12, 16, 512, True, None, 1),
+        (2**12, 16, 512, False, None, 0),
+        (2**15, 1, 128, True, True, 1),  # one head: either layout is unit-stride along tokens
     ]:
-        assert _both_plans(recorded, T, H, D, out_lse_ht=ht) == (expected, expected), (T, H, D, ht)
+        v_a, s_a, v_b, s_b = _states(T, H, D, torch.bfloat16, lse_ht, 0)
+        out_lse = None if out_ht is None else torch.empty(H, T).T if out_ht else torch.empty(T, H)
+        _both_two(recorded, (v_a, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), out_lse))
+        threads = T * H * D // 8
+        expected = ("merge_state_flat_gathered_kernel", (*bf16, tile), -(-threads // 512))
+        assert recorded[-1][:3] == expected, (T, H, D, lse_ht, out_ht)
 
 
 def _first_n(objs):

@@ -325,14 +325,15 @@ def _lse_layout(T: int, H: int, kind: str) -> torch.Tensor:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["TH", "HT", "TH-padded", "HT-padded", "strided"])
-@pytest.mark.parametrize("T, H, D", [(4099, 15, 72), (8200, 129, 128), (8201, 128, 128)])
+@pytest.mark.parametrize("T, H, D", [(4099, 15, 72), (8200, 129, 128), (8201, 128, 128), (7, 1000, 1024)])
 def test_many_waves_write_every_lse_once_in_every_layout(kind, T, H, D):
     """Calls from 2^19 threads gather the output LSE per block of 512 (4099 x 15 x 72: rows of
-    9 packs cut by the blocks' edges, a partial last block); from 2^22 threads with 32 heads or
-    more (here 128 and 129) an out_lse laid [H, T] is written by groups of 8 tokens (one cut short by
-    T = 8201), any other layout gathered: padded axes, an out_lse with no unit-stride axis, the
-    suffix past prefix_rows by the empty rule and, through vLLM's adapter, verbatim. Every
-    row's LSE is checked (one left unwritten stays NaN), V on a sample of rows."""
+    9 packs cut by the blocks' edges, a partial last block); an out_lse laid [H, T] (plain or
+    padded) walks the rows in tiles of 8 tokens, the last tokens (3 of 4099, 1 of 8201, all 7
+    of T = 7) after them in natural order; other layouts: padded axes, an out_lse with no
+    unit-stride axis. The suffix past prefix_rows by the empty rule and, through vLLM's
+    adapter, verbatim. Every row's LSE is checked (one left unwritten stays NaN), V on a
+    sample of rows."""
     v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, "cuda", seed=T + H)
     s_b_ht = s_b.T.contiguous().T  # the inputs' LSEs in both layouts
     first = [f64(x) for x in (v_a[..., :1], s_a, v_b[..., :1], s_b)]  # the LSE needs no more of V
@@ -361,6 +362,25 @@ def test_grids_from_2_19_threads_in_blocks_of_512(dtype, T, H):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("T, H, D", [(4099, 16, 128), (1031, 40, 104), (7, 1000, 1024)])
+def test_rows_in_tiles_of_8_tokens_for_an_lse_laid_h_t(dtype, T, H, D):
+    """From 2^19 packs, an LSE laid [H, T] (out_lse; without one, s_a) makes the kernel walk
+    the rows in tiles of 8 tokens of one head, the tokens past the last whole tile (3 of 4099
+    and of 1031, all of T = 7) in natural order; rows of 13 packs (D = 104, 16-bit) are cut by
+    the blocks' edges. Every row of V and of the LSE against float64, outputs NaN-filled; then
+    with s_a [H, T] and no out_lse, V alone."""
+    v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=T + D)
+    s_a_ht = s_a.T.contiguous().T
+    out, lse = torch.full_like(v_a, NAN), _lse_layout(T, H, "HT")
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
+    _compare(out, lse, v_a, s_a, v_b, s_b, dtype, sample=T * H * D)
+    out.fill_(NAN)
+    zerokv.merge_state(v_a, s_a_ht, v_b, s_b, out=out)
+    _compare(out, None, v_a, s_a, v_b, s_b, dtype, sample=T * H * D)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("lse_ht", [False, True], ids=["lse-th", "lse-ht"])
 def test_rows_longer_than_a_block_of_512(dtype, lse_ht):
@@ -379,16 +399,16 @@ def test_rows_longer_than_a_block_of_512(dtype, lse_ht):
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "T, D, lse_ht",
-    [(8200, 1024, False), (16400, 1024, False), (16400, 1024, True), (131080, 128, True)],
+    [(8200, 1024, False), (16400, 1024, False), (16400, 1024, True), (131083, 128, True)],
     ids=["2GB-spans", "past-int32-elements", "past-int32-elements-lse-ht", "past-int32-short-rows-lse-ht"],
 )
 def test_spans_past_two_gigabytes_and_past_int32_elements(T, D, lse_ht):
     """bf16 [T, 128, D]. T = 8200, D = 1024: 2.15 GB per tensor in 1.07e9 elements, so the
     32-bit kernels run, with element offsets below 2^31 and byte offsets above; past 2^31
-    elements, the flat kernel's 64-bit forms (64-bit strides and offsets): in blocks of 512 with
-    the output LSE gathered, and for rows of 16 packs with an out_lse laid [H, T], in blocks of
-    128. The sample holds the last rows (the largest offsets), with empty states of NaN V among
-    them."""
+    elements, the flat kernel's 64-bit form (64-bit strides and offsets) in blocks of 512 with
+    the output LSE gathered, its rows in tiles of 8 tokens for an out_lse laid [H, T] (T =
+    131083: 3 tokens past the last tile). The sample holds the last rows (the largest
+    offsets), with empty states of NaN V among them."""
     H = 128
     need = 3 * T * H * D * 2 + T * H * D + 2**30  # V in, out, the NaN-row scan's mask
     if torch.cuda.mem_get_info()[0] < need:

@@ -39,9 +39,6 @@ def test_bf16_merge_state_builds_bf16_in_and_out_only(fake_device):
     expected += [("merge_state_flat_kernel", e, 3) for e in _where(_kernels.MERGE_STATE_FLAT, bf16)]
     gathered = _where(_kernels.MERGE_STATE_FLAT_GATHERED, bf16)
     expected += [("merge_state_flat_gathered_kernel", e, 3) for e in gathered]
-    grouped = _where(_kernels.MERGE_STATE_FLAT_GROUPED, bf16)
-    expected += [("merge_state_flat_grouped_kernel", e, 3) for e in grouped]
-    expected += [("merge_state_flat64_kernel", e, 3) for e in _where(_kernels.MERGE_STATE_FLAT64, bf16)]
     wide_gathered = _where(_kernels.MERGE_STATE_FLAT64_GATHERED, bf16)
     expected += [("merge_state_flat64_gathered_kernel", e, 3) for e in wide_gathered]
     assert fake_device == expected
@@ -54,8 +51,6 @@ def test_dtypes_select_every_combination_among_them(fake_device):
     pairs = {("zk_bfloat16", "zk_bfloat16"), ("zk_bfloat16", "zk_fp8_e4m3")}
     expected = _where(_kernels.MERGE_STATE_FLAT, lambda t: t[:2] in pairs)  # two states: the flat kernels
     expected += _where(_kernels.MERGE_STATE_FLAT_GATHERED, lambda t: t[:2] in pairs)
-    expected += _where(_kernels.MERGE_STATE_FLAT_GROUPED, lambda t: t[:2] in pairs)
-    expected += _where(_kernels.MERGE_STATE_FLAT64, lambda t: t[:2] in pairs)
     expected += _where(_kernels.MERGE_STATE_FLAT64_GATHERED, lambda t: t[:2] in pairs)
     expected += _where(_kernels.MERGE_STATES, lambda t: t[:2] in pairs)
     assert [e for _, e, _ in fake_device] == expected

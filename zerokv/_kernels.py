@@ -123,7 +123,7 @@ MERGE_STATE = Kernel(
 MERGE_STATE_FLAT = Kernel(
     stem="merge",
     name="merge_state_flat_kernel",
-    # no fp8 output; SMALL: 1 for grids of a few waves (merge.py picks); 16-bit inputs also in
+    # no fp8 output; SMALL: 1 for grids of one wave (merge.py picks); 16-bit inputs also in
     # 8-byte packs for the smallest calls (SMALL only)
     instances=tuple(
         (ci, co, v, small) for ci, i in _V for co, _ in _V for v in (1, vec(i)) for small in (0, 1)
@@ -140,34 +140,25 @@ MERGE_STATE_FLAT = Kernel(
 )
 
 
-def _many_waves_form(name: str, block: int) -> Kernel:
-    """A many-waves form of the flat kernel (merge.py picks it by the call's threads): its
-    parameters, aligned calls only (16-byte packs), every pair of element types."""
-    instances = tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V)
-    return Kernel(stem="merge", name=name, instances=instances, block=block, params=MERGE_STATE_FLAT.params)
-
-
-# blocks of 512, the output LSE gathered through shared memory: grids from 2^19 threads
-MERGE_STATE_FLAT_GATHERED = _many_waves_form("merge_state_flat_gathered_kernel", 512)
-# an [H, T] output LSE written by groups of 8 tokens: large grids with many heads
-MERGE_STATE_FLAT_GROUPED = _many_waves_form("merge_state_flat_grouped_kernel", 128)
-
-# The flat kernel for tensors past 2^31 elements: 64-bit strides and offsets, the thread index
-# still 32-bit; aligned calls only, and only the form for grids of many waves (SMALL = 0).
-MERGE_STATE_FLAT64 = Kernel(
+_FLAT64_PARAMS = tuple((n, "i64" if n.endswith(("_st", "_sh")) else c) for n, c in MERGE_STATE_FLAT.params)
+# The many-waves forms of the flat kernel (merge.py picks them by the call's threads): blocks of
+# 512, the output LSE gathered through shared memory; aligned calls only (16-byte packs), every
+# pair of element types; TILE (rows in tiles of 8 tokens) 1 for an out_lse laid [H, T].
+_GATHERED_INSTANCES = tuple((ci, co, vec(i), tile) for ci, i in _V for co, _ in _V for tile in (0, 1))
+MERGE_STATE_FLAT_GATHERED = Kernel(
     stem="merge",
-    name="merge_state_flat64_kernel",
-    instances=tuple((ci, co, vec(i), 0) for ci, i in _V for co, _ in _V),
-    block=128,
-    params=tuple((n, "i64" if n.endswith(("_st", "_sh")) else c) for n, c in MERGE_STATE_FLAT.params),
+    name="merge_state_flat_gathered_kernel",
+    instances=_GATHERED_INSTANCES,
+    block=512,
+    params=MERGE_STATE_FLAT.params,
 )
-# ... and its form in blocks of 512 with the output LSE gathered
+# ... for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still 32-bit
 MERGE_STATE_FLAT64_GATHERED = Kernel(
     stem="merge",
     name="merge_state_flat64_gathered_kernel",
-    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V),
+    instances=_GATHERED_INSTANCES,
     block=512,
-    params=MERGE_STATE_FLAT64.params,
+    params=_FLAT64_PARAMS,
 )
 
 MERGE_STATES = Kernel(
@@ -251,8 +242,6 @@ KERNELS: tuple[Kernel, ...] = (
     MERGE_STATE,
     MERGE_STATE_FLAT,
     MERGE_STATE_FLAT_GATHERED,
-    MERGE_STATE_FLAT_GROUPED,
-    MERGE_STATE_FLAT64,
     MERGE_STATE_FLAT64_GATHERED,
     MERGE_STATES,
     EMPTY_ROWS,

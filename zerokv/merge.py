@@ -269,13 +269,11 @@ class _MergePlan:
         vec = self.vec
         packs = D // vec
         threads = T * H * packs
-        if wide:
-            if threads >= _INT32 or vec == 1:
+        if wide or (threads >= _FLAT_GATHERED_THREADS and vec > 1):
+            if wide and (threads >= _INT32 or vec == 1):
                 return False
-            form = _FLAT_64 if _groups_tokens(threads, H, packs, stl) else _FLAT_64_GATHERED
-        elif threads >= _FLAT_GATHERED_THREADS and vec > 1:
-            grouped = _groups_tokens(threads, H, packs, stl)  # packs: of 16 bytes here
-            form = _FLAT_GROUPED if grouped else _FLAT_GATHERED
+            lse = stl if pl else ssa  # rows in tiles of 8 tokens where this LSE's tokens are unit-stride
+            form = (_FLAT_64_GATHERED if wide else _FLAT_GATHERED) + int(lse[0] == 1 and lse[1] != 1)
         elif threads <= _FLAT_NARROW_PACKS and vec == 8:
             form, vec, packs, threads = _FLAT_NARROW, 4, 2 * packs, 2 * threads
         else:
@@ -532,28 +530,12 @@ def _fast_checks_two(f: list, prefix_rows: Any) -> bool:
 
 _INT32 = 1 << 31
 _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
-# Aligned calls of at least this many threads (one per pack) take the flat kernel in blocks of
-# 512 with the output LSE gathered through shared memory (merge.cu): measured on an H200 over
-# the grid (bench/NOTES.md), 0.5-2 % faster than the forms before it from 2^19 threads on, up
-# to 2.7 % slower at 2^18.
+# Aligned calls of at least this many threads (one per pack), and every wide call (64-bit
+# offsets), take the flat kernel in blocks of 512 with the output LSE gathered through shared
+# memory, its rows in tiles of 8 tokens when out_lse (or, without one, s_a) is laid [H, T]
+# (merge.cu): measured on an H200 over the grid (bench/NOTES.md), from 2^19 threads on
+# 0.5-2 % faster than the forms before it with a [T, H] LSE, 1.5-6 % with [H, T] (tiles).
 _FLAT_GATHERED_THREADS = 1 << 19
-# ... except an out_lse laid [H, T] from 2^22 threads with at least 32 heads of at most 16
-# packs of 16 bytes: the form that writes the output LSE by groups of 8 tokens, 0.5-4 % faster
-# there (its group's rows lie in the same wave), slower with fewer heads, longer rows or grids.
-# Wide calls (64-bit offsets) take the 64-bit form in blocks of 512 with the LSE gathered,
-# those same calls excepted: they take the 64-bit form in blocks of 128 (no grouped variant).
-_FLAT_GROUPED_MIN = (1 << 22, 32, 16)  # threads, heads, 16-byte packs per row
-
-
-def _groups_tokens(threads: int, heads: int, packs16: int, ol_strides: tuple) -> bool:
-    """Whether a call takes the flat kernel's form that writes out_lse by groups of tokens."""
-    min_threads, min_heads, max_packs = _FLAT_GROUPED_MIN
-    return (
-        threads >= min_threads and heads >= min_heads and packs16 <= max_packs
-        and ol_strides[0] == 1 and ol_strides[1] != 1
-    )  # fmt: skip
-
-
 # Calls of 16-bit inputs of at most this many 16-byte packs take the SMALL form in 8-byte packs
 # (twice the threads, each with half the values to widen and merge after its loads arrive):
 # measured on an H200 (bench/NOTES.md), 0.005-0.025 µs faster up to 512 packs, even or slower
@@ -561,20 +543,22 @@ def _groups_tokens(threads: int, heads: int, packs16: int, ol_strides: tuple) ->
 _FLAT_NARROW_PACKS = 512
 # The flat kernel's forms: (kernel, template arguments after the element types and VEC); the
 # first two are SMALL = 0 and SMALL = 1, so that a form's index is SMALL there; _FLAT_NARROW is
-# SMALL = 1 launched with VEC halved (8-byte packs).
+# SMALL = 1 launched with VEC halved (8-byte packs); each gathered form is followed by its TILE
+# variant.
 _FLAT_FORMS = (
     (_kernels.MERGE_STATE_FLAT, (0,)),
     (_kernels.MERGE_STATE_FLAT, (1,)),
-    (_kernels.MERGE_STATE_FLAT64, (0,)),
-    (_kernels.MERGE_STATE_FLAT_GATHERED, ()),
     (_kernels.MERGE_STATE_FLAT, (1,)),
-    (_kernels.MERGE_STATE_FLAT_GROUPED, ()),
-    (_kernels.MERGE_STATE_FLAT64_GATHERED, ()),
+    (_kernels.MERGE_STATE_FLAT_GATHERED, (0,)),
+    (_kernels.MERGE_STATE_FLAT_GATHERED, (1,)),
+    (_kernels.MERGE_STATE_FLAT64_GATHERED, (0,)),
+    (_kernels.MERGE_STATE_FLAT64_GATHERED, (1,)),
 )
-_FLAT_64, _FLAT_GATHERED, _FLAT_NARROW, _FLAT_GROUPED, _FLAT_64_GATHERED = 2, 3, 4, 5, 6
-# Grids of at most this many blocks per SM take the flat kernel's SMALL form: measured on an
-# H200 (bench/NOTES.md), 3-6 % faster up to 256 blocks, even at 1024, 4 % slower at 4096.
-_FLAT_SMALL_BLOCKS_PER_SM = 4
+_FLAT_NARROW, _FLAT_GATHERED, _FLAT_64_GATHERED = 2, 3, 5  # the gathered forms: + 1 for rows in tiles
+# Grids of at most this many blocks per SM (one wave: 16 blocks of 128 fill an SM's 2048
+# threads) take the flat kernel's SMALL form: measured on an H200 (bench/NOTES.md), 1-6 %
+# faster than SMALL = 0 up to 2^18 threads, up to 4 % slower at 31 blocks per SM.
+_FLAT_SMALL_BLOCKS_PER_SM = 16
 
 
 def _numel(shape: tuple) -> int:

@@ -17,8 +17,6 @@ from . import _cache, _dtypes, _kernels, _runtime
 _FLAT = (
     "merge_state_flat_kernel",
     "merge_state_flat_gathered_kernel",
-    "merge_state_flat_grouped_kernel",
-    "merge_state_flat64_kernel",
     "merge_state_flat64_gathered_kernel",
 )
 # public op -> which kernel instantiations it launches (the compat adapters use the same ones);
