@@ -132,7 +132,7 @@ def make_bench(torch: Any, args: argparse.Namespace) -> Any:
         return Bench(torch, torch.device("cpu"), FakeTimer(), l2_bytes=4096, mode="dry")
     dev = torch.device("cuda", torch.cuda.current_device())
     l2 = getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or 50 * 2**20
-    timer = CudaTimer(torch, budget_us=6000.0 if args.quick else 10000.0)
+    timer = CudaTimer(torch, budget_us=6000.0 if args.quick else 30000.0)
     return Bench(torch, dev, timer, l2_bytes=l2, mode="quick" if args.quick else "full")
 
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 COPY_BYTES = 2**30  # each of the copy benchmark's two buffers
-MIN_ROUNDS = 9  # interleaved rounds at least (CudaTimer.time_together)
+MIN_ROUNDS = 15  # interleaved rounds at least (CudaTimer.time_together)
 SAMPLE_ROWS = 256  # (token, head) rows compared with the float64 reference
 
 # --- records ----------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ class CudaTimer:
       first covers the host's time to enqueue them, so the events time the GPU's work.
     """
 
-    def __init__(self, torch: Any, *, budget_us: float, graph_calls: int = 50, max_replays: int = 20) -> None:
+    def __init__(self, torch: Any, *, budget_us: float, graph_calls: int = 50, max_replays: int = 40) -> None:
         self.torch = torch
         self.budget_us = budget_us
         self.graph_calls = graph_calls
