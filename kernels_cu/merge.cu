@@ -346,10 +346,11 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel) mer
 }
 
 // The same for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still
-// 32-bit; aligned calls only. Held to 32 registers, 4 blocks per SM: unbounded, the GPU's NVRTC
-// gave the fp16 form 34 registers (3 blocks per SM, 7 % slower; 32 from the NVRTC of this
-// project's CI).
-template <typename Tin, typename Tout, int VEC, int TILE>
+// 32-bit; aligned calls only; rows in the natural order for either out_lse layout (in tiles, an
+// [H, T] out_lse measured 1-4 % slower at 65536 x 128 x 512; bench/NOTES.md). Held to 32
+// registers, 4 blocks per SM: unbounded, the GPU's NVRTC gave the fp16 form 34 registers
+// (3 blocks per SM, 7 % slower; 32 from the NVRTC of this project's CI).
+template <typename Tin, typename Tout, int VEC>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4) merge_state_flat64_gathered_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs,
@@ -357,7 +358,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4
     i64 sa_st, i64 sa_sh, i64 sb_st, i64 sb_sh, i64 va_st, i64 va_sh, i64 vb_st, i64 vb_sh,
     i64 out_st, i64 out_sh, i64 ol_st, i64 ol_sh,
     int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat64_gathered_kernel, i64, true, TILE != 0>(
+  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat64_gathered_kernel, i64, true>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
 }

@@ -255,9 +255,9 @@ def test_tensors_past_two_gigabytes_keep_32_bit_math_below_2_31_elements(recorde
 def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
     """A V whose token stride spans 2^31 elements: the flat kernel's 64-bit form in blocks of
     512 (its strides are 64-bit parameters), on both paths of merge_state and of a two-state
-    merge_states, its rows in tiles of 8 tokens for an out_lse laid [H, T] (also at 2^22
-    threads), not for [T, H]; an unaligned call of that size takes the row-group kernel's
-    64-bit form. One 4.3 GB buffer, never written, so its pages are never touched."""
+    merge_states, its rows in the natural order for an out_lse laid [H, T] too (also at 2^22
+    threads); an unaligned call of that size takes the row-group kernel's 64-bit form. One
+    4.3 GB buffer, never written, so its pages are never touched."""
     T, H, D = 2, 8, 128
     base = torch.empty(2**31 + 2**20, dtype=torch.bfloat16)
     wide = base.as_strided((T, H, D), (2**31, D, 1))
@@ -265,27 +265,23 @@ def test_tensors_past_2_31_elements_take_the_64_bit_flat_kernel(recorded):
     objs = (wide, s_a, v_b, s_b, torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(H, T).T)
     _both_two(recorded, objs)
     name, targs, grid, packed = recorded[-1]
-    assert (name, targs, grid) == (
-        "merge_state_flat64_gathered_kernel",
-        ("zk_bfloat16", "zk_bfloat16", 8, 1),
-        1,
-    )
+    assert (name, targs, grid) == ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 1)
     assert _kernels.MERGE_STATE_FLAT64_GATHERED.packer.unpack(packed)[17] == 2**31  # va_st, 64-bit
 
     # two states 2^31 elements apart in one buffer
     v = base.as_strided((2, T, H, D), (2**31, H * D, D, 1))
     out_n = torch.empty(T, H, D, dtype=torch.bfloat16)
     _both_n(recorded, (v, torch.randn(2, T, H), out_n, torch.empty(T, H), None, None))
-    assert recorded[-1][:3] == ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 0), 1)
+    assert recorded[-1][:3] == ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 1)
 
     # many heads of short rows, 2^22 threads: a token stride of 2^18 + 40 elements spans
     # 2^31 + 2^16 in 2^13 tokens
     Tw, Hw = 2**13, 32
     wide = base.as_strided((Tw, Hw, D), (2**18 + 40, D, 1))
     v_b, s_a, s_b = torch.empty(Tw, Hw, D, dtype=torch.bfloat16), torch.randn(Tw, Hw), torch.randn(Tw, Hw)
-    for out_lse, tile in [(torch.empty(Hw, Tw).T, 1), (torch.empty(Tw, Hw), 0)]:
+    for out_lse in (torch.empty(Hw, Tw).T, torch.empty(Tw, Hw)):
         _both_two(recorded, (wide, s_a, v_b, s_b, torch.empty(Tw, Hw, D, dtype=torch.bfloat16), out_lse))
-        expected = ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8, tile), 2**13)
+        expected = ("merge_state_flat64_gathered_kernel", ("zk_bfloat16", "zk_bfloat16", 8), 2**13)
         assert recorded[-1][:3] == expected
     v_b, s_a, s_b = torch.randn(T, H, D, dtype=torch.bfloat16), torch.randn(T, H), torch.randn(T, H)
 

@@ -406,9 +406,8 @@ def test_spans_past_two_gigabytes_and_past_int32_elements(T, D, lse_ht):
     """bf16 [T, 128, D]. T = 8200, D = 1024: 2.15 GB per tensor in 1.07e9 elements, so the
     32-bit kernels run, with element offsets below 2^31 and byte offsets above; past 2^31
     elements, the flat kernel's 64-bit form (64-bit strides and offsets) in blocks of 512 with
-    the output LSE gathered, its rows in tiles of 8 tokens for an out_lse laid [H, T] (T =
-    131083: 3 tokens past the last tile). The sample holds the last rows (the largest
-    offsets), with empty states of NaN V among them."""
+    the output LSE gathered, for either out_lse layout (T = 131083: a partial last block). The
+    sample holds the last rows (the largest offsets), with empty states of NaN V among them."""
     H = 128
     need = 3 * T * H * D * 2 + T * H * D + 2**30  # V in, out, the NaN-row scan's mask
     if torch.cuda.mem_get_info()[0] < need:

@@ -140,25 +140,24 @@ MERGE_STATE_FLAT = Kernel(
 )
 
 
-_FLAT64_PARAMS = tuple((n, "i64" if n.endswith(("_st", "_sh")) else c) for n, c in MERGE_STATE_FLAT.params)
-# The many-waves forms of the flat kernel (merge.py picks them by the call's threads): blocks of
+# The many-waves form of the flat kernel (merge.py picks it by the call's threads): blocks of
 # 512, the output LSE gathered through shared memory; aligned calls only (16-byte packs), every
 # pair of element types; TILE (rows in tiles of 8 tokens) 1 for an out_lse laid [H, T].
-_GATHERED_INSTANCES = tuple((ci, co, vec(i), tile) for ci, i in _V for co, _ in _V for tile in (0, 1))
 MERGE_STATE_FLAT_GATHERED = Kernel(
     stem="merge",
     name="merge_state_flat_gathered_kernel",
-    instances=_GATHERED_INSTANCES,
+    instances=tuple((ci, co, vec(i), tile) for ci, i in _V for co, _ in _V for tile in (0, 1)),
     block=512,
     params=MERGE_STATE_FLAT.params,
 )
-# ... for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still 32-bit
+# ... for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still 32-bit;
+# rows in the natural order for either layout
 MERGE_STATE_FLAT64_GATHERED = Kernel(
     stem="merge",
     name="merge_state_flat64_gathered_kernel",
-    instances=_GATHERED_INSTANCES,
+    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V),
     block=512,
-    params=_FLAT64_PARAMS,
+    params=tuple((n, "i64" if n.endswith(("_st", "_sh")) else c) for n, c in MERGE_STATE_FLAT.params),
 )
 
 MERGE_STATES = Kernel(

@@ -269,11 +269,13 @@ class _MergePlan:
         vec = self.vec
         packs = D // vec
         threads = T * H * packs
-        if wide or (threads >= _FLAT_GATHERED_THREADS and vec > 1):
-            if wide and (threads >= _INT32 or vec == 1):
+        if wide:
+            if threads >= _INT32 or vec == 1:
                 return False
+            form = _FLAT_64_GATHERED
+        elif threads >= _FLAT_GATHERED_THREADS and vec > 1:
             lse = stl if pl else ssa  # rows in tiles of 8 tokens where this LSE's tokens are unit-stride
-            form = (_FLAT_64_GATHERED if wide else _FLAT_GATHERED) + int(lse[0] == 1 and lse[1] != 1)
+            form = _FLAT_GATHERED + int(lse[0] == 1 and lse[1] != 1)
         elif threads <= _FLAT_NARROW_PACKS and vec == 8:
             form, vec, packs, threads = _FLAT_NARROW, 4, 2 * packs, 2 * threads
         else:
@@ -532,9 +534,9 @@ _INT32 = 1 << 31
 _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 # Aligned calls of at least this many threads (one per pack), and every wide call (64-bit
 # offsets), take the flat kernel in blocks of 512 with the output LSE gathered through shared
-# memory, its rows in tiles of 8 tokens when out_lse (or, without one, s_a) is laid [H, T]
-# (merge.cu): measured on an H200 over the grid (bench/NOTES.md), from 2^19 threads on
-# 0.5-2 % faster than the forms before it with a [T, H] LSE, 1.5-6 % with [H, T] (tiles).
+# memory; in 32 bits, its rows in tiles of 8 tokens when out_lse (or, without one, s_a) is laid
+# [H, T] (merge.cu): measured on an H200 over the grid (bench/NOTES.md), from 2^19 threads on
+# 0.5-2 % faster than the forms before it with a [T, H] LSE, 0.5-5 % with [H, T] (tiles).
 _FLAT_GATHERED_THREADS = 1 << 19
 # Calls of 16-bit inputs of at most this many 16-byte packs take the SMALL form in 8-byte packs
 # (twice the threads, each with half the values to widen and merge after its loads arrive):
@@ -543,18 +545,17 @@ _FLAT_GATHERED_THREADS = 1 << 19
 _FLAT_NARROW_PACKS = 512
 # The flat kernel's forms: (kernel, template arguments after the element types and VEC); the
 # first two are SMALL = 0 and SMALL = 1, so that a form's index is SMALL there; _FLAT_NARROW is
-# SMALL = 1 launched with VEC halved (8-byte packs); each gathered form is followed by its TILE
-# variant.
+# SMALL = 1 launched with VEC halved (8-byte packs); the 32-bit gathered form is followed by its
+# TILE variant.
 _FLAT_FORMS = (
     (_kernels.MERGE_STATE_FLAT, (0,)),
     (_kernels.MERGE_STATE_FLAT, (1,)),
     (_kernels.MERGE_STATE_FLAT, (1,)),
     (_kernels.MERGE_STATE_FLAT_GATHERED, (0,)),
     (_kernels.MERGE_STATE_FLAT_GATHERED, (1,)),
-    (_kernels.MERGE_STATE_FLAT64_GATHERED, (0,)),
-    (_kernels.MERGE_STATE_FLAT64_GATHERED, (1,)),
+    (_kernels.MERGE_STATE_FLAT64_GATHERED, ()),
 )
-_FLAT_NARROW, _FLAT_GATHERED, _FLAT_64_GATHERED = 2, 3, 5  # the gathered forms: + 1 for rows in tiles
+_FLAT_NARROW, _FLAT_GATHERED, _FLAT_64_GATHERED = 2, 3, 5  # _FLAT_GATHERED + 1: rows in tiles
 # Grids of at most this many blocks per SM (one wave: 16 blocks of 128 fill an SM's 2048
 # threads) take the flat kernel's SMALL form: measured on an H200 (bench/NOTES.md), 1-6 %
 # faster than SMALL = 0 up to 2^18 threads, up to 4 % slower at 31 blocks per SM.
