@@ -214,7 +214,7 @@ __device__ __forceinline__ RowCoef flat_row_coef(int t, float la, float lb, int 
 // (fewer than 8) after them in the natural order. For an LSE laid [H, T] the rows a warp or a
 // block holds then lie 8 beside each other in memory: the output LSE leaves in whole 32-byte
 // sectors instead of 4 bytes of a sector from each of 8 blocks, and a warp's LSE loads touch
-// fewer sectors (1.5-6 % faster from 2^19 threads; bench/NOTES.md).
+// fewer sectors (up to 5 % faster from 2^19 threads; bench/NOTES.md).
 template <bool TILE>
 __device__ __forceinline__ int flat_token(unsigned r, int H, unsigned H_mul, int H_shr, unsigned tiled_rows, int& h) {
   if constexpr (TILE) {
@@ -265,9 +265,9 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
 // index is 32-bit in all (the host keeps rows x packs below 2^31).
 //
 // SMALL = 1 (grids of one wave, where a call is latency-bound): no branch before the loads, so
-// every parameter load is issued at once and the V loads go out first; a thread past the last
-// row loads row 0 (inside the tensors) and stores nothing. 1-6 % faster on grids of one wave,
-// up to 4 % slower on grids of many waves, which take SMALL = 0 and its early return
+// every parameter load is issued at once and the four loads go out together; a thread past the
+// last row loads row 0 (inside the tensors) and stores nothing. Up to 6 % faster on grids of
+// one wave, up to 4 % slower on grids of many waves, which take SMALL = 0 and its early return
 // (bench/NOTES.md); the gathered forms need every thread at their barrier, so they take
 // SMALL = 1 too. The smallest calls of 16-bit inputs take SMALL = 1 in packs of 8 bytes
 // (VEC 4): twice the threads, each with half the values to widen after its loads arrive. In

@@ -536,7 +536,7 @@ _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 # offsets), take the flat kernel in blocks of 512 with the output LSE gathered through shared
 # memory; in 32 bits, its rows in tiles of 8 tokens when out_lse (or, without one, s_a) is laid
 # [H, T] (merge.cu): measured on an H200 over the grid (bench/NOTES.md), from 2^19 threads on
-# 0.5-2 % faster than the forms before it with a [T, H] LSE, 0.5-5 % with [H, T] (tiles).
+# 0.5-2 % faster than the forms before it with a [T, H] LSE, up to 5 % with [H, T] (tiles).
 _FLAT_GATHERED_THREADS = 1 << 19
 # Calls of 16-bit inputs of at most this many 16-byte packs take the SMALL form in 8-byte packs
 # (twice the threads, each with half the values to widen and merge after its loads arrive):
@@ -557,8 +557,9 @@ _FLAT_FORMS = (
 )
 _FLAT_NARROW, _FLAT_GATHERED, _FLAT_64_GATHERED = 2, 3, 5  # _FLAT_GATHERED + 1: rows in tiles
 # Grids of at most this many blocks per SM (one wave: 16 blocks of 128 fill an SM's 2048
-# threads) take the flat kernel's SMALL form: measured on an H200 (bench/NOTES.md), 1-6 %
-# faster than SMALL = 0 up to 2^18 threads, up to 4 % slower at 31 blocks per SM.
+# threads) take the flat kernel's SMALL form: measured on an H200 (bench/NOTES.md), up to 6 %
+# faster than SMALL = 0 on the smallest grids, 0.5-2.8 % (bf16; fp16 within 0.8 % either way)
+# at 2^17-2^18 threads, up to 4 % slower at 31 blocks per SM.
 _FLAT_SMALL_BLOCKS_PER_SM = 16
 
 
