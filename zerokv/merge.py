@@ -235,6 +235,7 @@ class _MergePlan:
         self.device = device
         self.flat = [None] * len(_FLAT_FORMS)  # a launcher per form, loaded by the first call of each
         self.sms = _runtime.sm_count(device)
+        self.small_threads = _FLAT_SMALL_BLOCKS_PER_SM * self.sms * _FLAT_BLOCK  # one wave: SMALL up to here
         self.vec = vec  # vec_max when the signature is aligned, else 1
         self.vec_max = _kernels.vec(in_dtype)
         self.out_dtype = out_dtype
@@ -279,7 +280,7 @@ class _MergePlan:
         elif threads <= _FLAT_NARROW_PACKS and vec == 8:
             form, vec, packs, threads = _FLAT_NARROW, 4, 2 * packs, 2 * threads
         else:
-            form = int(-(-threads // _FLAT_BLOCK) <= _FLAT_SMALL_BLOCKS_PER_SM * self.sms)  # SMALL
+            form = int(threads <= self.small_threads)  # SMALL
         kernel, extra = _FLAT_FORMS[form]
         blocks = -(-threads // kernel.block)
         launch = self.flat[form]

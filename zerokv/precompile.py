@@ -14,10 +14,13 @@ from typing import Any
 
 from . import _cache, _dtypes, _kernels, _runtime
 
-_FLAT = (
-    "merge_state_flat_kernel",
-    "merge_state_flat_gathered_kernel",
-    "merge_state_flat64_gathered_kernel",
+_FLAT = tuple(
+    k.name
+    for k in (
+        _kernels.MERGE_STATE_FLAT,
+        _kernels.MERGE_STATE_FLAT_GATHERED,
+        _kernels.MERGE_STATE_FLAT64_GATHERED,
+    )
 )
 # public op -> which kernel instantiations it launches (the compat adapters use the same ones);
 # the empty-row kernel's third template argument is its emptiness rule
