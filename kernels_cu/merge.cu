@@ -257,6 +257,23 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
   }
 }
 
+// The four loads of pack d / VEC of row (t, h), issued before any arithmetic, then the merge and
+// its V store (predicated on live); returns the row's coefficients and output LSE.
+template <typename Tin, typename Tout, int VEC, typename I>
+__device__ __forceinline__ RowCoef merge_pack(bool live, int t32, I t, I h, I d, const Tin* va, const Tin* vb,
+                                              const float* sa, const float* sb, Tout* out, I sa_st, I sa_sh,
+                                              I sb_st, I sb_sh, I va_st, I va_sh, I vb_st, I vb_sh, I out_st,
+                                              I out_sh, int prefix_rows, int suffix_verbatim, float k,
+                                              float inv_k) {
+  const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
+  const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
+  const float la = __ldg(sa + (t * sa_st + h * sa_sh));
+  const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
+  const RowCoef c = flat_row_coef(t32, la, lb, prefix_rows, suffix_verbatim, k, inv_k);
+  store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + d), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
+  return c;
+}
+
 // The engine's common call (no a_empty, row mask, sinks or fp8 scale; out_lse not written in
 // place) in the smallest form: one thread per pack of V (thread i: row i / packs, pack i % packs,
 // both without a division), the two V loads and the two LSE loads issued before any arithmetic.
@@ -269,9 +286,8 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
 // last row loads row 0 (inside the tensors) and stores nothing. Up to 6 % faster on grids of
 // one wave, up to 4 % slower on grids of many waves, which take SMALL = 0 and its early return
 // (bench/NOTES.md); the gathered forms need every thread at their barrier, so they take
-// SMALL = 1 too. The smallest calls of 16-bit inputs take SMALL = 1 in packs of 8 bytes
-// (VEC 4): twice the threads, each with half the values to widen after its loads arrive. In
-// every form, nothing branches after the loads either: the stores are predicated
+// SMALL = 1 too. The smallest calls take merge_state_heads_kernel (below) instead. In every
+// form, nothing branches after the loads either: the stores are predicated
 // instructions, not code a branch jumps over (a branch region there cost up to 0.05 µs of a
 // 1.4 µs call).
 //
@@ -295,13 +311,10 @@ __device__ __forceinline__ void merge_flat(
   if constexpr (TILE) tiled_rows = (fast_div((unsigned)rows, H_mul, H_shr) & ~7u) * (unsigned)H;
   int h32;
   const int t32 = flat_token<TILE>(row, H, H_mul, H_shr, tiled_rows, h32);
-  const I t = t32, h = h32, d = p * VEC;
-  const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
-  const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
-  const float la = __ldg(sa + (t * sa_st + h * sa_sh));
-  const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
-  const RowCoef c = flat_row_coef(t32, la, lb, prefix_rows, suffix_verbatim, k, inv_k);
-  store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + d), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
+  const I t = t32, h = h32;
+  const RowCoef c = merge_pack<Tin, Tout, VEC, I>(live, t32, t, h, (I)(p * VEC), va, vb, sa, sb, out, sa_st, sa_sh,
+                                                  sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh,
+                                                  prefix_rows, suffix_verbatim, k, inv_k);
   if constexpr (GATHER) {
     if (olse != nullptr)  // the same for the whole block
       store_lse_gathered<BLOCK, TILE, I>(olse, live && p == 0, row, c.lse, rows, packs, packs_mul, packs_shr, H,
@@ -327,6 +340,27 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
   merge_flat<Tin, Tout, VEC, SMALL, ZK_BLOCK_merge_state_flat_kernel, int>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
       va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+}
+
+// The smallest calls (a few thousand packs: the launch and one round trip to memory): grid
+// (head groups, T), block (packs, heads of one token): thread (x, y) of block (g, t) takes pack x
+// of row (t, g * blockDim.y + y). Its token, head and pack are the block and thread indices, with
+// no division between the kernel's start and its four loads: 2-4 % faster than the flat
+// kernel's SMALL form at T = 1 (bench/NOTES.md). A thread past the last head loads head 0 and
+// stores nothing. 16-bit inputs may come in packs of 8 bytes (VEC 4; merge.py picks).
+template <typename Tin, typename Tout, int VEC>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state_heads_kernel(
+    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse, int H,
+    int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
+    int out_st, int out_sh, int ol_st, int ol_sh,
+    int prefix_rows, int suffix_verbatim, float k, float inv_k) {
+  const int h0 = (int)(blockIdx.x * blockDim.y + threadIdx.y);
+  const bool live = h0 < H;
+  const int t = (int)blockIdx.y, h = live ? h0 : 0;
+  const RowCoef c = merge_pack<Tin, Tout, VEC, int>(live, t, t, h, (int)threadIdx.x * VEC, va, vb, sa, sb, out, sa_st,
+                                                    sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh,
+                                                    prefix_rows, suffix_verbatim, k, inv_k);
+  store_float_if(live && threadIdx.x == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
 }
 
 // The many-waves form from 2^19 threads on, in blocks of 512 with the output LSE gathered

@@ -27,6 +27,9 @@ class _Recorder:
     def __call__(self, grid, stream, *args):
         self.calls.append((self.kernel.name, self.targs, grid, self.kernel.packer.pack(*args)))
 
+    def launch_2d(self, grid, block, stream, *args):
+        self.calls.append((self.kernel.name, self.targs, (grid, block), self.kernel.packer.pack(*args)))
+
 
 @pytest.fixture
 def recorded(monkeypatch):
@@ -150,7 +153,8 @@ def test_merge_states_fast_path_packs_what_the_validating_path_packs(
     s = torch.randn(T, N, H, generator=g).permute(1, 0, 2)
     out, out_lse = torch.empty(T, H, D, dtype=dtype), torch.empty(H, T).T if lse_ht else torch.empty(T, H)
     _both_n(recorded, (v, s, out, out_lse, None, None))
-    assert recorded[-1][0] == ("merge_state_flat_kernel" if N == 2 else "merge_states_kernel")
+    flat = ("merge_state_heads_kernel", "merge_state_flat_kernel", "merge_state_flat_gathered_kernel")
+    assert recorded[-1][0] in (flat if N == 2 else ("merge_states_kernel",))
 
 
 @pytest.mark.parametrize("given_lse", [False, True])
@@ -296,27 +300,34 @@ def test_the_flat_kernel_takes_its_small_form_for_grids_of_one_wave(recorded):
     """SMALL = 1 up to 16 x 132 blocks of 128 threads (packs of 8 bf16: one wave on 132 SMs),
     SMALL = 0 past it, on both paths and both plans."""
     H, D = 8, 128  # 16 packs per row, 8 rows per block: T blocks
-    for T, small in [(5, 1), (528, 1), (2112, 1), (2113, 0), (4095, 0)]:
+    for T, small in [(129, 1), (528, 1), (2112, 1), (2113, 0), (4095, 0)]:
         expected = ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, small), T)
         assert _both_plans(recorded, T, H, D) == (expected, expected)
 
 
-def test_the_smallest_16_bit_calls_take_the_small_form_in_8_byte_packs(recorded):
-    """Up to 512 packs of 16 bytes, 16-bit inputs take SMALL = 1 with VEC 4 (twice the threads),
-    any output type, on both paths and both plans; 640 packs take VEC 8; float inputs and
-    unaligned calls never take it."""
-    H, D = 8, 64  # 8 packs of 16 bytes per row
-    for dtype, out_dtype, T, targs, blocks in [
-        (torch.bfloat16, torch.bfloat16, 1, ("zk_bfloat16", "zk_bfloat16", 4, 1), 1),
-        (torch.float16, torch.float16, 8, ("zk_half", "zk_half", 4, 1), 8),  # 512 packs
-        (torch.float16, torch.float32, 8, ("zk_half", "float", 4, 1), 8),
-        (torch.bfloat16, torch.bfloat16, 10, ("zk_bfloat16", "zk_bfloat16", 8, 1), 5),  # 640
-        (torch.float32, torch.float32, 4, ("float", "float", 4, 1), 4),  # 512 packs of 4 floats
-    ]:
-        expected = ("merge_state_flat_kernel", targs, blocks)
-        assert _both_plans(recorded, T, H, D, dtype, out_dtype) == (expected, expected)
+def test_the_smallest_calls_take_blocks_of_heads_of_one_token(recorded):
+    """Up to 2048 packs of 16 bytes, aligned calls whose rows are at most 128 packs take
+    merge_state_heads_kernel: grid (head groups, T), block (packs, heads), at most 128 threads
+    and no more heads than H; bf16 inputs in packs of 8 bytes (16 when a row would pass 128
+    of them), fp16 and float in 16 bytes; any output type; on both paths and both plans. 2049
+    packs, rows of 256 packs and unaligned calls take the flat kernel."""
+    heads = "merge_state_heads_kernel"
+    for dtype, out_dtype, T, H, D, expected in [
+        (torch.bfloat16, torch.bfloat16, 1, 8, 64, (heads, ("zk_bfloat16", "zk_bfloat16", 4), ((1, 1), (16, 8)))),
+        (torch.bfloat16, torch.bfloat16, 1, 37, 128, (heads, ("zk_bfloat16", "zk_bfloat16", 4), ((10, 1), (32, 4)))),
+        (torch.bfloat16, torch.float32, 3, 7, 72, (heads, ("zk_bfloat16", "float", 4), ((1, 3), (18, 7)))),
+        (torch.bfloat16, torch.bfloat16, 1, 16, 1024, (heads, ("zk_bfloat16", "zk_bfloat16", 8), ((16, 1), (128, 1)))),
+        (torch.float16, torch.float16, 8, 8, 64, (heads, ("zk_half", "zk_half", 8), ((1, 8), (8, 8)))),
+        (torch.float16, torch.float32, 1, 128, 128, (heads, ("zk_half", "float", 8), ((16, 1), (16, 8)))),
+        (torch.float32, torch.float32, 4, 8, 64, (heads, ("float", "float", 4), ((1, 4), (16, 8)))),
+        (torch.bfloat16, torch.bfloat16, 32, 8, 64, (heads, ("zk_bfloat16", "zk_bfloat16", 4), ((1, 32), (16, 8)))),
+        # 2049 packs and more: the flat kernel's SMALL form
+        (torch.bfloat16, torch.bfloat16, 33, 8, 64, ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 1), 17)),
+        (torch.bfloat16, torch.bfloat16, 1, 4, 2048, ("merge_state_flat_kernel", ("zk_bfloat16", "zk_bfloat16", 8, 1), 8)),
+    ]:  # fmt: skip
+        assert _both_plans(recorded, T, H, D, dtype, out_dtype) == (expected, expected), (dtype, T, H, D)
     # unaligned: packs of one element
-    assert _unaligned_two(recorded, 1, H, D) == (
+    assert _unaligned_two(recorded, 1, 8, 64) == (
         "merge_state_flat_kernel",
         ("zk_bfloat16", "zk_bfloat16", 1, 1),
         4,

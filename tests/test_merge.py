@@ -297,17 +297,31 @@ def _merge_both_ways(v_a, s_a, v_b, s_b, out_dtype) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, out_dtype", [
     (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16), (torch.float16, torch.float32),
+    (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
 ])  # fmt: skip
-@pytest.mark.parametrize("T, H, D", [(1, 32, 128), (8, 8, 64), (3, 7, 64)])
-def test_the_smallest_calls_in_8_byte_packs(dtype, out_dtype, T, H, D):
-    """16-bit calls of at most 512 packs of 16 bytes take the flat kernel in packs of 8 bytes:
-    exactly 512 packs, and 168 (a partial block); the first rows empty in a, in b, in both, with
-    NaN V, so that every shape holds those edges; two-state merge_states takes it too."""
+@pytest.mark.parametrize(
+    "T, H, D", [(1, 32, 128), (8, 8, 64), (3, 7, 64), (2, 37, 72), (1, 3, 1024), (32, 8, 64)]
+)
+@pytest.mark.parametrize("lse_ht", [False, True])
+def test_the_smallest_calls_in_blocks_of_heads(dtype, out_dtype, T, H, D, lse_ht):
+    """Calls of at most 2048 packs of 16 bytes take merge_state_heads_kernel: a block per group
+    of heads of one token (37 heads: a last group of one head; 7 heads: fewer than a block
+    holds; D = 72: rows of 18 or 9 packs, blocks of 126 threads; D = 1024: rows of 128 packs;
+    32 x 8 x 64: exactly 2048 packs), LSEs [T, H] or [H, T]. The first rows empty in a, in b,
+    in both, with NaN V; prefix_rows; two-state merge_states takes it too."""
     v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=T * H + D)
     s_a[0, 0], v_a[0, 0] = -INF, NAN
     s_b[0, 1], v_b[0, 1] = INF, NAN
     s_a[0, 2], v_a[0, 2], s_b[0, 2], v_b[0, 2] = -INF, NAN, -INF, NAN
+    if lse_ht:
+        s_a, s_b = s_a.T.contiguous().T, s_b.T.contiguous().T
     _merge_both_ways(v_a, s_a, v_b, s_b, out_dtype)
+    out, lse = (
+        torch.full((T, H, D), NAN, dtype=out_dtype, device="cuda"),
+        torch.full((H, T), NAN, device="cuda").T,
+    )
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse, prefix_rows=T // 2)
+    _compare(out, lse, v_a, s_a, v_b, s_b, out_dtype, prefix_rows=T // 2)
 
 
 def _lse_layout(T: int, H: int, kind: str) -> torch.Tensor:

@@ -37,6 +37,7 @@ def test_bf16_merge_state_builds_bf16_in_and_out_only(fake_device):
     bf16 = lambda t: t[:2] == ("zk_bfloat16", "zk_bfloat16")  # noqa: E731
     expected = [("merge_state_kernel", e, 3) for e in _where(_kernels.MERGE_STATE, bf16)]
     expected += [("merge_state_flat_kernel", e, 3) for e in _where(_kernels.MERGE_STATE_FLAT, bf16)]
+    expected += [("merge_state_heads_kernel", e, 3) for e in _where(_kernels.MERGE_STATE_HEADS, bf16)]
     gathered = _where(_kernels.MERGE_STATE_FLAT_GATHERED, bf16)
     expected += [("merge_state_flat_gathered_kernel", e, 3) for e in gathered]
     wide_gathered = _where(_kernels.MERGE_STATE_FLAT64_GATHERED, bf16)
@@ -50,6 +51,7 @@ def test_dtypes_select_every_combination_among_them(fake_device):
     zerokv.precompile(dtypes=[torch.bfloat16, torch.float8_e4m3fn], ops=["merge_states"], device="cuda:1")
     pairs = {("zk_bfloat16", "zk_bfloat16"), ("zk_bfloat16", "zk_fp8_e4m3")}
     expected = _where(_kernels.MERGE_STATE_FLAT, lambda t: t[:2] in pairs)  # two states: the flat kernels
+    expected += _where(_kernels.MERGE_STATE_HEADS, lambda t: t[:2] in pairs)
     expected += _where(_kernels.MERGE_STATE_FLAT_GATHERED, lambda t: t[:2] in pairs)
     expected += _where(_kernels.MERGE_STATE_FLAT64_GATHERED, lambda t: t[:2] in pairs)
     expected += _where(_kernels.MERGE_STATES, lambda t: t[:2] in pairs)

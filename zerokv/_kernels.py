@@ -123,12 +123,10 @@ MERGE_STATE = Kernel(
 MERGE_STATE_FLAT = Kernel(
     stem="merge",
     name="merge_state_flat_kernel",
-    # no fp8 output; SMALL: 1 for grids of one wave (merge.py picks); 16-bit inputs also in
-    # 8-byte packs for the smallest calls (SMALL only)
+    # no fp8 output; SMALL: 1 for grids of one wave (merge.py picks)
     instances=tuple(
         (ci, co, v, small) for ci, i in _V for co, _ in _V for v in (1, vec(i)) for small in (0, 1)
-    )
-    + tuple((ci, co, vec(i) // 2, 1) for ci, i in _V if vec(i) == 8 for co, _ in _V),
+    ),
     block=128,
     params=_params(
         "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, i32 H, i32 packs,"
@@ -139,6 +137,26 @@ MERGE_STATE_FLAT = Kernel(
     ),
 )
 
+
+# The smallest calls of the flat kernel's (merge.py picks it by the call's packs): a block per
+# group of heads of one token, no division; aligned calls only, 16-bit inputs also in 8-byte
+# packs (VEC 4)
+MERGE_STATE_HEADS = Kernel(
+    stem="merge",
+    name="merge_state_heads_kernel",
+    instances=tuple(
+        (ci, co, v)
+        for ci, i in _V
+        for co, _ in _V
+        for v in (vec(i), *((vec(i) // 2,) if vec(i) == 8 else ()))
+    ),
+    block=128,
+    params=tuple(
+        (n, c)
+        for n, c in MERGE_STATE_FLAT.params
+        if n not in ("rows", "packs", "packs_mul", "packs_shr", "H_mul", "H_shr")
+    ),
+)
 
 # The many-waves form of the flat kernel (merge.py picks it by the call's threads): blocks of
 # 512, the output LSE gathered through shared memory; aligned calls only (16-byte packs), every
@@ -240,6 +258,7 @@ CP_FINALIZE = Kernel(
 KERNELS: tuple[Kernel, ...] = (
     MERGE_STATE,
     MERGE_STATE_FLAT,
+    MERGE_STATE_HEADS,
     MERGE_STATE_FLAT_GATHERED,
     MERGE_STATE_FLAT64_GATHERED,
     MERGE_STATES,

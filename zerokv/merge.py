@@ -234,10 +234,14 @@ class _MergePlan:
     ) -> None:
         self.device = device
         self.flat = [None] * len(_FLAT_FORMS)  # a launcher per form, loaded by the first call of each
+        self.heads: dict[int, Any] = {}  # merge_state_heads_kernel's launchers by VEC, the same way
         self.sms = _runtime.sm_count(device)
         self.small_threads = _FLAT_SMALL_BLOCKS_PER_SM * self.sms * _FLAT_BLOCK  # one wave: SMALL up to here
         self.vec = vec  # vec_max when the signature is aligned, else 1
         self.vec_max = _kernels.vec(in_dtype)
+        # bf16 packs of 8 bytes in the smallest calls (half the values to widen after the loads
+        # arrive): measured 1-3 % faster than 16 bytes at T = 1 for bf16, 0-2 % slower for fp16
+        self.heads_vec = max(vec // 2, 1) if in_dtype == "bfloat16" else vec
         self.out_dtype = out_dtype
         self.allocate_lse = allocate_lse
         self.k, self.inv_k = _checks.LSE_BASES[_checks.lse_base(call.scalars[0])]
@@ -277,8 +281,10 @@ class _MergePlan:
         elif threads >= _FLAT_GATHERED_THREADS and vec > 1:
             lse = stl if pl else ssa  # rows in tiles of 8 tokens where this LSE's tokens are unit-stride
             form = _FLAT_GATHERED + int(lse[0] == 1 and lse[1] != 1)
-        elif threads <= _FLAT_NARROW_PACKS and vec == 8:
-            form, vec, packs, threads = _FLAT_NARROW, 4, 2 * packs, 2 * threads
+        elif threads <= _HEADS_PACKS and vec > 1 and packs <= _HEADS_BLOCK:
+            return self.launch_heads(
+                stream, T, H, D, prefix, verbatim, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl
+            )
         else:
             form = int(threads <= self.small_threads)  # SMALL
         kernel, extra = _FLAT_FORMS[form]
@@ -291,6 +297,28 @@ class _MergePlan:
         try:
             launch(
                 blocks, stream, pa, pb, psa, psb, po, pl, T * H, H, packs, *div(packs), *div(H),
+                ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1], stb[0], stb[1], sto[0], sto[1],
+                stl[0], stl[1], prefix, verbatim, self.k, self.inv_k,
+            )  # fmt: skip
+        except struct.error:
+            return False
+        return True
+
+    def launch_heads(
+        self, stream, T, H, D, prefix, verbatim, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl
+    ):
+        """One launch of merge_state_heads_kernel (launch_flat's smallest calls): a block of
+        (packs, heads) per group of heads of one token; False when a parameter overflows."""
+        vec = self.heads_vec if D // self.heads_vec <= _HEADS_BLOCK else self.vec
+        packs = D // vec
+        heads = min(_HEADS_BLOCK // packs, H)  # per block
+        launch = self.heads.get(vec)
+        if launch is None:
+            targs = (*self.flat_targs[:2], vec)
+            launch = self.heads[vec] = _plans.launcher(_kernels.MERGE_STATE_HEADS, targs, self.device)
+        try:
+            launch.launch_2d(
+                (-(-H // heads), T), (packs, heads), stream, pa, pb, psa, psb, po, pl, H,
                 ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1], stb[0], stb[1], sto[0], sto[1],
                 stl[0], stl[1], prefix, verbatim, self.k, self.inv_k,
             )  # fmt: skip
@@ -539,24 +567,22 @@ _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 # [H, T] (merge.cu): measured on an H200 over the grid (bench/NOTES.md), from 2^19 threads on
 # 0.5-2 % faster than the forms before it with a [T, H] LSE, up to 5 % with [H, T] (tiles).
 _FLAT_GATHERED_THREADS = 1 << 19
-# Calls of 16-bit inputs of at most this many 16-byte packs take the SMALL form in 8-byte packs
-# (twice the threads, each with half the values to widen and merge after its loads arrive):
-# measured on an H200 (bench/NOTES.md), 0.005-0.025 µs faster up to 512 packs, even or slower
-# from 1024.
-_FLAT_NARROW_PACKS = 512
+# Aligned calls of at most this many packs (16 bytes; a few tokens), whose rows are at most
+# _HEADS_BLOCK packs wide, take merge_state_heads_kernel: measured on an H200 (bench/NOTES.md),
+# 2-4 % faster than the flat kernel's SMALL form at T = 1 and up to 2048 packs.
+_HEADS_PACKS = 2048
+_HEADS_BLOCK = _kernels.MERGE_STATE_HEADS.block
 # The flat kernel's forms: (kernel, template arguments after the element types and VEC); the
-# first two are SMALL = 0 and SMALL = 1, so that a form's index is SMALL there; _FLAT_NARROW is
-# SMALL = 1 launched with VEC halved (8-byte packs); the 32-bit gathered form is followed by its
-# TILE variant.
+# first two are SMALL = 0 and SMALL = 1, so that a form's index is SMALL there; the 32-bit
+# gathered form is followed by its TILE variant.
 _FLAT_FORMS = (
     (_kernels.MERGE_STATE_FLAT, (0,)),
-    (_kernels.MERGE_STATE_FLAT, (1,)),
     (_kernels.MERGE_STATE_FLAT, (1,)),
     (_kernels.MERGE_STATE_FLAT_GATHERED, (0,)),
     (_kernels.MERGE_STATE_FLAT_GATHERED, (1,)),
     (_kernels.MERGE_STATE_FLAT64_GATHERED, ()),
 )
-_FLAT_NARROW, _FLAT_GATHERED, _FLAT_64_GATHERED = 2, 3, 5  # _FLAT_GATHERED + 1: rows in tiles
+_FLAT_GATHERED, _FLAT_64_GATHERED = 2, 4  # _FLAT_GATHERED + 1: rows in tiles
 # Grids of at most this many blocks per SM (one wave: 16 blocks of 128 fill an SM's 2048
 # threads) take the flat kernel's SMALL form: measured on an H200 (bench/NOTES.md), up to 6 %
 # faster than SMALL = 0 on the smallest grids, 0.5-2.8 % (bf16; fp16 within 0.8 % either way)

@@ -18,6 +18,7 @@ _FLAT = tuple(
     k.name
     for k in (
         _kernels.MERGE_STATE_FLAT,
+        _kernels.MERGE_STATE_HEADS,
         _kernels.MERGE_STATE_FLAT_GATHERED,
         _kernels.MERGE_STATE_FLAT64_GATHERED,
     )
