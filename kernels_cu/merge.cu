@@ -343,24 +343,29 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
 }
 
 // The smallest calls (a few thousand packs: the launch and one round trip to memory): grid
-// (head groups, T), block (packs, heads of one token): thread (x, y) of block (g, t) takes pack x
-// of row (t, g * blockDim.y + y). Its token, head and pack are the block and thread indices, with
-// no division between the kernel's start and its four loads: 2-4 % faster than the flat
-// kernel's SMALL form at T = 1 (bench/NOTES.md). A thread past the last head loads head 0 and
-// stores nothing. 16-bit inputs may come in packs of 8 bytes (VEC 4; merge.py picks).
+// (head groups, T), blocks of ZK_BLOCK threads, each holding BLOCK / packs heads of one token
+// (packs a power of two, packs_shr its log2): thread i of block (g, t) takes pack i % packs of
+// row (t, g * BLOCK / packs + i / packs). Token, head and pack come from the block and thread
+// indices by a mask and shifts, with no division between the kernel's start and its four loads:
+// 2-4 % faster than the flat kernel's SMALL form at T = 1 (in blocks of (packs, heads) threads,
+// the same code measured 4 % slower; bench/NOTES.md). A thread past the last head loads head 0
+// and stores nothing. 16-bit inputs may come in packs of 8 bytes (VEC 4; merge.py picks).
 template <typename Tin, typename Tout, int VEC>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state_heads_kernel(
-    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse, int H,
+    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
+    int H, int packs, int packs_shr,
     int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
     int out_st, int out_sh, int ol_st, int ol_sh,
     int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  const int h0 = (int)(blockIdx.x * blockDim.y + threadIdx.y);
+  const int i = (int)threadIdx.x;
+  const int p = i & (packs - 1);
+  const int h0 = (int)blockIdx.x * (ZK_BLOCK_merge_state_heads_kernel >> packs_shr) + (i >> packs_shr);
   const bool live = h0 < H;
   const int t = (int)blockIdx.y, h = live ? h0 : 0;
-  const RowCoef c = merge_pack<Tin, Tout, VEC, int>(live, t, t, h, (int)threadIdx.x * VEC, va, vb, sa, sb, out, sa_st,
-                                                    sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh,
-                                                    prefix_rows, suffix_verbatim, k, inv_k);
-  store_float_if(live && threadIdx.x == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
+  const RowCoef c = merge_pack<Tin, Tout, VEC, int>(live, t, t, h, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st,
+                                                    sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows,
+                                                    suffix_verbatim, k, inv_k);
+  store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
 }
 
 // The many-waves form from 2^19 threads on, in blocks of 512 with the output LSE gathered

@@ -152,14 +152,14 @@ def compat(tag, va, sa, vb, sb, out, lse, cu, kv, cu_kv) -> None:
 def flat_forms() -> None:
     """The flat kernel's forms by size, each in a shape whose last block is partial: the smallest
     calls in blocks of heads of one token (3 x 7 rows of 16 or 8 packs: fewer heads than a block
-    holds; 2 x 37 rows of 18 or 9 packs: a last group of one head), calls of 2^19 threads and more
+    holds; 2 x 37 rows of 32 or 16 packs: a last block of 5 or 1 heads), calls of 2^19 threads and more
     in blocks of 512 with the output LSE gathered (2100 x 127 rows of 8 packs: 4167.2 blocks;
     4099 x 15 rows of 9 packs, cut by the blocks' edges), their rows in tiles of 8 tokens for an
     LSE laid [H, T] (out_lse, or s_a without one; 8201 x 129: one token past the last tile;
     7 x 1000: no whole tile)."""
     for T, H, D in (
         (3, 7, 64),
-        (2, 37, 72),
+        (2, 37, 128),
         (2100, 127, 64),
         (4099, 15, 72),
         (8201, 129, 128),

@@ -300,15 +300,15 @@ def _merge_both_ways(v_a, s_a, v_b, s_b, out_dtype) -> None:
     (torch.bfloat16, torch.float32), (torch.float32, torch.float32),
 ])  # fmt: skip
 @pytest.mark.parametrize(
-    "T, H, D", [(1, 32, 128), (8, 8, 64), (3, 7, 64), (2, 37, 72), (1, 3, 1024), (32, 8, 64)]
+    "T, H, D", [(1, 32, 128), (8, 8, 64), (3, 7, 64), (2, 37, 128), (1, 3, 96), (1, 3, 1024), (32, 8, 64)]
 )
 @pytest.mark.parametrize("lse_ht", [False, True])
 def test_the_smallest_calls_in_blocks_of_heads(dtype, out_dtype, T, H, D, lse_ht):
-    """Calls of at most 2048 packs of 16 bytes take merge_state_heads_kernel: a block per group
-    of heads of one token (37 heads: a last group of one head; 7 heads: fewer than a block
-    holds; D = 72: rows of 18 or 9 packs, blocks of 126 threads; D = 1024: rows of 128 packs;
-    32 x 8 x 64: exactly 2048 packs), LSEs [T, H] or [H, T]. The first rows empty in a, in b,
-    in both, with NaN V; prefix_rows; two-state merge_states takes it too."""
+    """Calls of at most 2048 packs of 16 bytes take merge_state_heads_kernel: 128-thread blocks
+    of heads of one token (7 heads: fewer than a block holds; 37 heads: a last block of 5 or 1
+    heads; D = 1024: rows of 128 packs; 32 x 8 x 64: exactly 2048 packs; D = 96: rows of 12
+    packs, the flat kernel), LSEs [T, H] or [H, T]. The first rows empty in a, in b, in both,
+    with NaN V; prefix_rows; two-state merge_states takes it too."""
     v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, "cuda", seed=T * H + D)
     s_a[0, 0], v_a[0, 0] = -INF, NAN
     s_b[0, 1], v_b[0, 1] = INF, NAN

@@ -139,8 +139,8 @@ MERGE_STATE_FLAT = Kernel(
 
 
 # The smallest calls of the flat kernel's (merge.py picks it by the call's packs): a block per
-# group of heads of one token, no division; aligned calls only, 16-bit inputs also in 8-byte
-# packs (VEC 4)
+# group of heads of one token, no division (rows of a power-of-two number of packs); aligned
+# calls only, 16-bit inputs also in 8-byte packs (VEC 4)
 MERGE_STATE_HEADS = Kernel(
     stem="merge",
     name="merge_state_heads_kernel",
@@ -152,9 +152,7 @@ MERGE_STATE_HEADS = Kernel(
     ),
     block=128,
     params=tuple(
-        (n, c)
-        for n, c in MERGE_STATE_FLAT.params
-        if n not in ("rows", "packs", "packs_mul", "packs_shr", "H_mul", "H_shr")
+        (n, c) for n, c in MERGE_STATE_FLAT.params if n not in ("rows", "packs_mul", "H_mul", "H_shr")
     ),
 )
 

@@ -281,10 +281,14 @@ class _MergePlan:
         elif threads >= _FLAT_GATHERED_THREADS and vec > 1:
             lse = stl if pl else ssa  # rows in tiles of 8 tokens where this LSE's tokens are unit-stride
             form = _FLAT_GATHERED + int(lse[0] == 1 and lse[1] != 1)
-        elif threads <= _HEADS_PACKS and vec > 1 and packs <= _HEADS_BLOCK:
-            return self.launch_heads(
+        elif (
+            threads <= _HEADS_PACKS
+            and vec > 1
+            and self.launch_heads(
                 stream, T, H, D, prefix, verbatim, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl
             )
+        ):
+            return True
         else:
             form = int(threads <= self.small_threads)  # SMALL
         kernel, extra = _FLAT_FORMS[form]
@@ -307,20 +311,23 @@ class _MergePlan:
     def launch_heads(
         self, stream, T, H, D, prefix, verbatim, pa, sta, pb, stb, psa, ssa, psb, ssb, po, sto, pl, stl
     ):
-        """One launch of merge_state_heads_kernel (launch_flat's smallest calls): a block of
-        (packs, heads) per group of heads of one token; False when a parameter overflows."""
-        vec = self.heads_vec if D // self.heads_vec <= _HEADS_BLOCK else self.vec
+        """One launch of merge_state_heads_kernel, or False when the call does not fit it: rows
+        of a power-of-two number of packs, at most a block; 32-bit parameters."""
+        vec = self.heads_vec
+        if D // vec > _HEADS_BLOCK:  # bf16 rows past 512 elements: 16-byte packs
+            vec = self.vec
         packs = D // vec
-        heads = min(_HEADS_BLOCK // packs, H)  # per block
+        if packs > _HEADS_BLOCK or packs & (packs - 1):
+            return False
         launch = self.heads.get(vec)
         if launch is None:
             targs = (*self.flat_targs[:2], vec)
             launch = self.heads[vec] = _plans.launcher(_kernels.MERGE_STATE_HEADS, targs, self.device)
         try:
             launch.launch_2d(
-                (-(-H // heads), T), (packs, heads), stream, pa, pb, psa, psb, po, pl, H,
-                ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1], stb[0], stb[1], sto[0], sto[1],
-                stl[0], stl[1], prefix, verbatim, self.k, self.inv_k,
+                (-(-H * packs // _HEADS_BLOCK), T), (_HEADS_BLOCK, 1), stream, pa, pb, psa, psb, po, pl,
+                H, packs, packs.bit_length() - 1, ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1],
+                stb[0], stb[1], sto[0], sto[1], stl[0], stl[1], prefix, verbatim, self.k, self.inv_k,
             )  # fmt: skip
         except struct.error:
             return False
@@ -567,9 +574,9 @@ _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 # [H, T] (merge.cu): measured on an H200 over the grid (bench/NOTES.md), from 2^19 threads on
 # 0.5-2 % faster than the forms before it with a [T, H] LSE, up to 5 % with [H, T] (tiles).
 _FLAT_GATHERED_THREADS = 1 << 19
-# Aligned calls of at most this many packs (16 bytes; a few tokens), whose rows are at most
-# _HEADS_BLOCK packs wide, take merge_state_heads_kernel: measured on an H200 (bench/NOTES.md),
-# 2-4 % faster than the flat kernel's SMALL form at T = 1 and up to 2048 packs.
+# Aligned calls of at most this many packs (16 bytes; a few tokens), whose rows are a power of
+# two of at most _HEADS_BLOCK packs, take merge_state_heads_kernel: measured on an H200
+# (bench/NOTES.md), 2-4 % faster than the flat kernel's SMALL form at T = 1.
 _HEADS_PACKS = 2048
 _HEADS_BLOCK = _kernels.MERGE_STATE_HEADS.block
 # The flat kernel's forms: (kernel, template arguments after the element types and VEC); the
