@@ -346,10 +346,11 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
 // (head groups, T), blocks of ZK_BLOCK threads, each holding BLOCK / packs heads of one token
 // (packs a power of two, packs_shr its log2): thread i of block (g, t) takes pack i % packs of
 // row (t, g * BLOCK / packs + i / packs). Token, head and pack come from the block and thread
-// indices by a mask and shifts, with no division between the kernel's start and its four loads:
-// 2-4 % faster than the flat kernel's SMALL form at T = 1 (in blocks of (packs, heads) threads,
-// the same code measured 4 % slower; bench/NOTES.md). A thread past the last head loads head 0
-// and stores nothing. 16-bit inputs may come in packs of 8 bytes (VEC 4; merge.py picks).
+// indices by a mask and shifts, with no division between the kernel's start and its four
+// loads: 2-4.5 % faster than the flat kernel's SMALL form at T = 1 (in blocks of (packs, heads)
+// threads, the same code measured 4 % slower; bench/NOTES.md). A thread past the last head
+// loads head 0 and stores nothing. 16-bit inputs may come in packs of 8 bytes (VEC 4; merge.py
+// picks).
 template <typename Tin, typename Tout, int VEC>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state_heads_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,

@@ -240,7 +240,7 @@ class _MergePlan:
         self.vec = vec  # vec_max when the signature is aligned, else 1
         self.vec_max = _kernels.vec(in_dtype)
         # bf16 packs of 8 bytes in the smallest calls (half the values to widen after the loads
-        # arrive): measured 1-3 % faster than 16 bytes at T = 1 for bf16, 0-2 % slower for fp16
+        # arrive): measured 0.2-3 % faster than 16 bytes at T = 1 for bf16, 0-2 % slower for fp16
         self.heads_vec = max(vec // 2, 1) if in_dtype == "bfloat16" else vec
         self.out_dtype = out_dtype
         self.allocate_lse = allocate_lse
@@ -576,7 +576,7 @@ _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 _FLAT_GATHERED_THREADS = 1 << 19
 # Aligned calls of at most this many packs (16 bytes; a few tokens), whose rows are a power of
 # two of at most _HEADS_BLOCK packs, take merge_state_heads_kernel: measured on an H200
-# (bench/NOTES.md), 2-4 % faster than the flat kernel's SMALL form at T = 1.
+# (bench/NOTES.md), 2-4.5 % faster than the flat kernel's SMALL form at T = 1.
 _HEADS_PACKS = 2048
 _HEADS_BLOCK = _kernels.MERGE_STATE_HEADS.block
 # The flat kernel's forms: (kernel, template arguments after the element types and VEC); the
