@@ -258,13 +258,15 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
 }
 
 // The four loads of pack d / VEC of row (t, h), issued before any arithmetic, then the merge and
-// its V store (predicated on live); returns the row's coefficients and output LSE.
+// its V store (predicated on live); returns the row's coefficients and output LSE. Offsets in
+// the strides' type I.
 template <typename Tin, typename Tout, int VEC, typename I>
-__device__ __forceinline__ RowCoef merge_pack(bool live, int t32, I t, I h, I d, const Tin* va, const Tin* vb,
+__device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d32, const Tin* va, const Tin* vb,
                                               const float* sa, const float* sb, Tout* out, I sa_st, I sa_sh,
                                               I sb_st, I sb_sh, I va_st, I va_sh, I vb_st, I vb_sh, I out_st,
                                               I out_sh, int prefix_rows, int suffix_verbatim, float k,
                                               float inv_k) {
+  const I t = t32, h = h32, d = d32;
   const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
   const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
   const float la = __ldg(sa + (t * sa_st + h * sa_sh));
@@ -311,10 +313,10 @@ __device__ __forceinline__ void merge_flat(
   if constexpr (TILE) tiled_rows = (fast_div((unsigned)rows, H_mul, H_shr) & ~7u) * (unsigned)H;
   int h32;
   const int t32 = flat_token<TILE>(row, H, H_mul, H_shr, tiled_rows, h32);
+  const RowCoef c = merge_pack<Tin, Tout, VEC, I>(live, t32, h32, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st,
+                                                  sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows,
+                                                  suffix_verbatim, k, inv_k);
   const I t = t32, h = h32;
-  const RowCoef c = merge_pack<Tin, Tout, VEC, I>(live, t32, t, h, (I)(p * VEC), va, vb, sa, sb, out, sa_st, sa_sh,
-                                                  sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh,
-                                                  prefix_rows, suffix_verbatim, k, inv_k);
   if constexpr (GATHER) {
     if (olse != nullptr)  // the same for the whole block
       store_lse_gathered<BLOCK, TILE, I>(olse, live && p == 0, row, c.lse, rows, packs, packs_mul, packs_shr, H,
@@ -363,7 +365,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state
   const int h0 = (int)blockIdx.x * (ZK_BLOCK_merge_state_heads_kernel >> packs_shr) + (i >> packs_shr);
   const bool live = h0 < H;
   const int t = (int)blockIdx.y, h = live ? h0 : 0;
-  const RowCoef c = merge_pack<Tin, Tout, VEC, int>(live, t, t, h, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st,
+  const RowCoef c = merge_pack<Tin, Tout, VEC, int>(live, t, h, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st,
                                                     sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows,
                                                     suffix_verbatim, k, inv_k);
   store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);

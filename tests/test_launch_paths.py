@@ -24,11 +24,9 @@ class _Recorder:
         self.kernel, self.targs = kernel, targs
         self.calls: list[tuple] = []
 
-    def __call__(self, grid, stream, *args):
+    def __call__(self, grid, stream, *args, grid_y=1):
+        grid = grid if grid_y == 1 else (grid, grid_y)
         self.calls.append((self.kernel.name, self.targs, grid, self.kernel.packer.pack(*args)))
-
-    def launch_2d(self, grid, block, stream, *args):
-        self.calls.append((self.kernel.name, self.targs, (grid, block), self.kernel.packer.pack(*args)))
 
 
 @pytest.fixture
@@ -307,20 +305,20 @@ def test_the_flat_kernel_takes_its_small_form_for_grids_of_one_wave(recorded):
 
 def test_the_smallest_calls_take_blocks_of_heads_of_one_token(recorded):
     """Up to 2048 packs of 16 bytes, aligned calls whose rows are a power of two of at most 128
-    packs take merge_state_heads_kernel: grid (head groups, T) of 128-thread blocks; bf16 inputs
+    packs take merge_state_heads_kernel: grid (head groups, T) of 128-thread blocks (T = 1: a
+    one-dimensional grid); bf16 inputs
     in packs of 8 bytes (16 when a row would pass 128 of them), fp16 and float in 16 bytes; any
     output type; on both paths and both plans. Rows of 18 or 12 packs, rows of 256 packs, 2049
     packs and unaligned calls take the flat kernel's SMALL form."""
     heads, flat = "merge_state_heads_kernel", "merge_state_flat_kernel"
-    block = (128, 1)
     for dtype, out_dtype, T, H, D, expected in [
-        (torch.bfloat16, torch.bfloat16, 1, 8, 64, (heads, ("zk_bfloat16", "zk_bfloat16", 4), ((1, 1), block))),
-        (torch.bfloat16, torch.bfloat16, 1, 37, 128, (heads, ("zk_bfloat16", "zk_bfloat16", 4), ((10, 1), block))),
-        (torch.bfloat16, torch.bfloat16, 1, 16, 1024, (heads, ("zk_bfloat16", "zk_bfloat16", 8), ((16, 1), block))),
-        (torch.float16, torch.float16, 8, 8, 64, (heads, ("zk_half", "zk_half", 8), ((1, 8), block))),
-        (torch.float16, torch.float32, 1, 128, 128, (heads, ("zk_half", "float", 8), ((16, 1), block))),
-        (torch.float32, torch.float32, 4, 8, 64, (heads, ("float", "float", 4), ((1, 4), block))),
-        (torch.bfloat16, torch.bfloat16, 32, 8, 64, (heads, ("zk_bfloat16", "zk_bfloat16", 4), ((1, 32), block))),
+        (torch.bfloat16, torch.bfloat16, 1, 8, 64, (heads, ("zk_bfloat16", "zk_bfloat16", 4), 1)),
+        (torch.bfloat16, torch.bfloat16, 1, 37, 128, (heads, ("zk_bfloat16", "zk_bfloat16", 4), 10)),
+        (torch.bfloat16, torch.bfloat16, 1, 16, 1024, (heads, ("zk_bfloat16", "zk_bfloat16", 8), 16)),
+        (torch.float16, torch.float16, 8, 8, 64, (heads, ("zk_half", "zk_half", 8), (1, 8))),
+        (torch.float16, torch.float32, 1, 128, 128, (heads, ("zk_half", "float", 8), 16)),
+        (torch.float32, torch.float32, 4, 8, 64, (heads, ("float", "float", 4), (1, 4))),
+        (torch.bfloat16, torch.bfloat16, 32, 8, 64, (heads, ("zk_bfloat16", "zk_bfloat16", 4), (1, 32))),
         (torch.bfloat16, torch.float32, 3, 7, 72, (flat, ("zk_bfloat16", "float", 8, 1), 2)),  # 18 packs
         (torch.float16, torch.float16, 1, 3, 96, (flat, ("zk_half", "zk_half", 8, 1), 1)),  # 12 packs
         (torch.bfloat16, torch.bfloat16, 1, 4, 2048, (flat, ("zk_bfloat16", "zk_bfloat16", 8, 1), 8)),

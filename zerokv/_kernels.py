@@ -138,9 +138,9 @@ MERGE_STATE_FLAT = Kernel(
 )
 
 
-# The smallest calls of the flat kernel's (merge.py picks it by the call's packs): a block per
-# group of heads of one token, no division (rows of a power-of-two number of packs); aligned
-# calls only, 16-bit inputs also in 8-byte packs (VEC 4)
+# The flat kernel's smallest calls (merge.py picks them by their packs): a block per group of
+# heads of one token, grid (groups, T), no division (rows of a power-of-two number of packs);
+# aligned calls only, 16-bit inputs also in 8-byte packs (VEC 4)
 MERGE_STATE_HEADS = Kernel(
     stem="merge",
     name="merge_state_heads_kernel",

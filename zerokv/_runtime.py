@@ -242,48 +242,30 @@ class Launcher:
         self.nbytes = kernel.packer.size
         self.driver = driver()
 
-    def __call__(self, grid: int, stream: int, *args: Any) -> None:
-        """Launch ``grid`` blocks on ``stream`` with ``args`` in the kernel's parameter order."""
+    def __call__(self, grid: int, stream: int, *args: Any, grid_y: int = 1) -> None:
+        """Launch ``grid`` (x ``grid_y``) blocks on ``stream`` with ``args`` in the kernel's
+        parameter order."""
         a = _arena
         self.pack_into(a.buf, 0, *args)
         a.size.value = self.nbytes
         d = self.driver
         try:
             if d.get_device() == self.device:
-                d.launch(self.handle, grid, 1, 1, self.block, 1, 1, 0, stream, 0, a.extra_ptr)
+                d.launch(self.handle, grid, grid_y, 1, self.block, 1, 1, 0, stream, 0, a.extra_ptr)
             else:
                 with d.Device(self.device):
-                    d.launch(self.handle, grid, 1, 1, self.block, 1, 1, 0, stream, 0, a.extra_ptr)
+                    d.launch(self.handle, grid, grid_y, 1, self.block, 1, 1, 0, stream, 0, a.extra_ptr)
         except d.error as e:
-            self._retry(e, grid, stream)
+            self._retry(e, grid, grid_y, stream)
 
-    def launch_2d(self, grid: tuple[int, int], block: tuple[int, int], stream: int, *args: Any) -> None:
-        """The same with a two-dimensional grid and block (at most ``self.block`` threads, the
-        kernel's launch bounds)."""
-        a = _arena
-        self.pack_into(a.buf, 0, *args)
-        a.size.value = self.nbytes
-        d = self.driver
-        try:
-            if d.get_device() == self.device:
-                d.launch(self.handle, *grid, 1, *block, 1, 0, stream, 0, a.extra_ptr)
-            else:
-                with d.Device(self.device):
-                    d.launch(self.handle, *grid, 1, *block, 1, 0, stream, 0, a.extra_ptr)
-        except d.error as e:
-            self._retry(e, grid[0], stream, grid[1], block)
-
-    def _retry(
-        self, e: Exception, grid: int, stream: int, grid_y: int = 1, block: tuple | None = None
-    ) -> None:
+    def _retry(self, e: Exception, grid: int, grid_y: int, stream: int) -> None:
         d = self.driver
         if getattr(e, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
             raise RuntimeError(f"zerokv: launching {self.expr} failed: {e}") from e
-        bx, by = block or (self.block, 1)
         # A thread that never touched CUDA: bind the device's primary context, then launch.
         with d.Device(self.device):
             d.cupy.cuda.runtime.free(0)
             try:
-                d.launch(self.handle, grid, grid_y, 1, bx, by, 1, 0, stream, 0, _arena.extra_ptr)
+                d.launch(self.handle, grid, grid_y, 1, self.block, 1, 1, 0, stream, 0, _arena.extra_ptr)
             except d.error as e2:
                 raise RuntimeError(f"zerokv: launching {self.expr} failed: {e2}") from e2

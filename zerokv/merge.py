@@ -324,10 +324,11 @@ class _MergePlan:
             targs = (*self.flat_targs[:2], vec)
             launch = self.heads[vec] = _plans.launcher(_kernels.MERGE_STATE_HEADS, targs, self.device)
         try:
-            launch.launch_2d(
-                (-(-H * packs // _HEADS_BLOCK), T), (_HEADS_BLOCK, 1), stream, pa, pb, psa, psb, po, pl,
+            launch(
+                -(-H * packs // _HEADS_BLOCK), stream, pa, pb, psa, psb, po, pl,
                 H, packs, packs.bit_length() - 1, ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1],
                 stb[0], stb[1], sto[0], sto[1], stl[0], stl[1], prefix, verbatim, self.k, self.inv_k,
+                grid_y=T,
             )  # fmt: skip
         except struct.error:
             return False
