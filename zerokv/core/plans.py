@@ -5,8 +5,9 @@ optional arguments are given and the layout facts that choose an instantiation (
 which LSE axis has unit stride). Never pointers or shapes: an engine that changes the token
 count on every step finds its plan on every step.
 
-``lookup(key, build)`` is the one place plans are found; ``build()`` validates the whole call
-and returns the plan, once per key (under a lock, so concurrent first calls build once).
+``get(key)`` finds a plan; on a miss ``lookup(key, build)`` builds it: ``build()`` validates
+the whole call and returns the plan, once per key (under a lock, so concurrent first calls
+build once).
 ``clear_cache()`` forgets the plans and then the loaded functions they hold.
 """
 
@@ -34,14 +35,11 @@ def lookup(key: Any, build: Callable[[], Any]) -> Any:
     return plan
 
 
-def find(key: Any) -> Any:
-    """The plan stored under ``key``, or None (the torch fast paths: no build on a miss)."""
-    return _plans.get(key)
+get = _plans.get  # the plan stored under a key, or None: the calls' one lookup
 
 
 def remember(key: Any, plan: Any) -> None:
-    """Store ``plan`` under ``key`` (also a fast path's shorter signature for a plan built
-    under its full one); past LIMIT entries the table starts again."""
+    """Store ``plan`` under ``key``; past LIMIT entries the table starts again."""
     with _lock:
         if len(_plans) >= LIMIT:
             _plans.clear()

@@ -259,6 +259,22 @@ class Launcher:
         except d.error as e:
             self._retry(e, grid, grid_y, stream)
 
+    def launch(self, grid: int, grid_y: int, stream: int, bind: Any, *records: Any) -> None:
+        """Launch with the arguments packed by name: ``bind(buffer, *records)`` (a
+        ``Kernel.binder``) fills the argument buffer."""
+        a = _arena
+        bind(a.buf, *records)
+        a.size.value = self.nbytes
+        d = self.driver
+        try:
+            if d.get_device() == self.device:
+                d.launch(self.handle, grid, grid_y, 1, self.block, 1, 1, 0, stream, 0, a.extra_ptr)
+            else:
+                with d.Device(self.device):
+                    d.launch(self.handle, grid, grid_y, 1, self.block, 1, 1, 0, stream, 0, a.extra_ptr)
+        except d.error as e:
+            self._retry(e, grid, grid_y, stream)
+
     def _retry(self, e: Exception, grid: int, grid_y: int, stream: int) -> None:
         d = self.driver
         if getattr(e, "status", None) != _CUDA_ERROR_INVALID_CONTEXT:
