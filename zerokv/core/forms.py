@@ -1,10 +1,11 @@
 """Which kernel form runs a call: pure functions of the call's facts and the device's
 properties, their thresholds in one table.
 
-A merge form is a row of ``MERGE_FORMS``: a kernel description, the options (features) its
-code takes, and how its template arguments follow from the call. ``merge_two`` walks the
-rows in order and takes the first whose rule holds and whose features cover the call's;
-merge_state_kernel (``ROWS``) takes every feature and every layout, so it ends the walk.
+A merge form family is a row of ``MERGE_FORMS``: its rule (the call's facts -> a ``Form``:
+kernel description, template arguments, grid, geometry; or None), the options (features) its
+code takes, and the template arguments a call's features add (``flags``). ``merge_two`` walks
+the rows in order and takes the first whose features cover the call's and whose rule gives a
+form; the "rows" row (merge_state_kernel) takes every feature and layout, so it ends the walk.
 """
 
 from __future__ import annotations
@@ -82,9 +83,10 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def flat_family(c: MergeCall, dev: Device, ctypes: tuple) -> Form | None:
+def flat_family(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> Form | None:
     """The flat kernel's forms (flat, heads, gathered, 64-bit gathered), or None where none
-    applies: an LSE written in place, D = 0, or a size that needs the row-group kernel."""
+    applies: an LSE written in place, D = 0, or a size that needs the row-group kernel.
+    ``flags``: template arguments after each form's own (the options' code, by feature)."""
     if c.inplace_lse or not c.D:
         return None
     packs = c.D // c.vec
@@ -94,18 +96,18 @@ def flat_family(c: MergeCall, dev: Device, ctypes: tuple) -> Form | None:
         if threads >= INT32 or c.vec == 1:
             return None
         k = _kernels.MERGE_STATE_FLAT64_GATHERED
-        return _flat_form(k, (*ctypes, c.vec), extra, c.H)
+        return _flat_form(k, (*ctypes, c.vec, *flags), extra, c.H)
     if not c.strides32:
         return None
     if threads >= THRESHOLDS["gathered_threads"] and c.vec > 1:
         k = _kernels.MERGE_STATE_FLAT_GATHERED
-        return _flat_form(k, (*ctypes, c.vec, int(c.lse_tiles)), extra, c.H)
+        return _flat_form(k, (*ctypes, c.vec, int(c.lse_tiles), *flags), extra, c.H)
     if threads <= THRESHOLDS["heads_packs"] and c.vec > 1:
-        heads = _heads(c, ctypes)
+        heads = _heads(c, ctypes, flags)
         if heads is not None:
             return heads
     small = int(threads <= THRESHOLDS["small_blocks_per_sm"] * dev.sms * _kernels.MERGE_STATE_FLAT.block)
-    return _flat_form(_kernels.MERGE_STATE_FLAT, (*ctypes, c.vec, small), extra, c.H)
+    return _flat_form(_kernels.MERGE_STATE_FLAT, (*ctypes, c.vec, small, *flags), extra, c.H)
 
 
 def _flat_form(k: _kernels.Kernel, targs: tuple, extra: tuple, H: int) -> Form:
@@ -115,7 +117,7 @@ def _flat_form(k: _kernels.Kernel, targs: tuple, extra: tuple, H: int) -> Form:
     return Form(k, targs, _ceil(threads, k.block), 1, rows, packs, pm, ps, hm, hs)
 
 
-def _heads(c: MergeCall, ctypes: tuple) -> Form | None:
+def _heads(c: MergeCall, ctypes: tuple, flags: tuple) -> Form | None:
     """Blocks of heads of one token: rows of a power of two of at most a block of packs;
     bf16 in packs of 8 bytes unless a row would pass a block of them (entry 38)."""
     k = _kernels.MERGE_STATE_HEADS
@@ -126,13 +128,19 @@ def _heads(c: MergeCall, ctypes: tuple) -> Form | None:
     if packs > k.block or packs & (packs - 1):
         return None
     return Form(
-        k, (*ctypes, vec), _ceil(c.H * packs, k.block), c.T, packs=packs, packs_shr=packs.bit_length() - 1
+        k,
+        (*ctypes, vec, *flags),
+        _ceil(c.H * packs, k.block),
+        c.T,
+        packs=packs,
+        packs_shr=packs.bit_length() - 1,
     )
 
 
-def _rows(c: MergeCall, dev: Device, ctypes: tuple) -> Form:
+def _rows(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> Form:
     """merge_state_kernel: a row's packs over ``lanes`` threads, ``ppt`` packs each; the lean
-    code (``full`` 0) without options, 32-bit indices where every offset fits."""
+    code (``full`` 0) without options, 32-bit indices where every offset fits (``flags``:
+    unused, its ``full`` takes every option)."""
     packs = c.D // c.vec
     nbytes = c.T * c.H * c.D * (2 * _dtypes.itemsize(c.in_dtype) + _dtypes.itemsize(c.out_dtype))
     a, b, x, y = THRESHOLDS["rows_mid_l2"]
@@ -168,8 +176,9 @@ class MergeForm(NamedTuple):
     """A row of the merge form table: the form's rule, and the options its kernels take."""
 
     name: str
-    rule: Any  # (MergeCall, Device, ctypes) -> Form | None
+    rule: Any  # (MergeCall, Device, ctypes, flags) -> Form | None
     features: frozenset
+    flags: Any = lambda features: ()  # the call's features -> template arguments of their code
 
 
 MERGE_FORMS: tuple[MergeForm, ...] = (
@@ -182,7 +191,7 @@ def merge_two(c: MergeCall, dev: Device, ctypes: tuple) -> Form:
     """The form of a two-way merge (``ctypes``: the C element types, input and output)."""
     for row in MERGE_FORMS:
         if c.features <= row.features:
-            form = row.rule(c, dev, ctypes)
+            form = row.rule(c, dev, ctypes, row.flags(c.features))
             if form is not None:
                 return form
     raise AssertionError("MERGE_FORMS: the last row takes every call")  # pragma: no cover
