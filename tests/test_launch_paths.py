@@ -13,10 +13,10 @@ import torch
 
 import zerokv
 from zerokv.compat import sglang, vllm
+from zerokv.core import device as _device
 from zerokv.core import facts as _facts
 from zerokv.core import kernels as _kernels
 from zerokv.core import plans as _plans
-from zerokv.core import runtime as _runtime
 
 BF16 = ("zk_bfloat16", "zk_bfloat16")
 
@@ -41,9 +41,9 @@ def recorded(monkeypatch):
     log: list[tuple] = []
     _plans.clear_cache()
     monkeypatch.setattr(_plans, "launcher", lambda kernel, targs, device: _Recorder(kernel, targs, log))
-    monkeypatch.setattr(_runtime, "sm_count", lambda device: 132)
-    monkeypatch.setattr(_runtime, "l2_bytes", lambda device: 50 << 20)
-    monkeypatch.setattr(_runtime, "torch_stream", lambda device: 0)
+    monkeypatch.setattr(_device, "sm_count", lambda device: 132)
+    monkeypatch.setattr(_device, "l2_bytes", lambda device: 50 << 20)
+    monkeypatch.setattr(_device, "torch_stream", lambda device: 0)
     for name in ("read_two", "read_n", "read_rows"):
         monkeypatch.setattr(_facts, name, _on_device(getattr(_facts, name)))
     yield log

@@ -10,12 +10,12 @@ from typing import Any
 
 from . import checks as _checks
 from . import cpu_path as _cpu
+from . import device as _device
 from . import dtypes as _dtypes
 from . import facts as _facts
 from . import forms as _forms
 from . import kernels as _kernels
 from . import plans as _plans
-from . import runtime as _runtime
 from .layout import INT32, apart, distinct, end
 from .tensors import view
 
@@ -82,9 +82,9 @@ class Plan:
         targs = (_dtypes.ctype(o.dtype), self.vec, rule, int(self.lens_size == 8))
         self.launcher = _plans.launcher(_kernels.EMPTY_ROWS, targs, self.device)
         self.bind = _kernels.EMPTY_ROWS.binder(("f", _facts.RowsFacts), ("c", Consts))
-        self.dev = _forms.Device(_runtime.sm_count(self.device), _runtime.l2_bytes(self.device))
+        self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
         self.out_size = _dtypes.itemsize(o.dtype)
-        self.stream = _runtime.torch_stream if f.torch else _runtime.cupy_stream
+        self.stream = _device.torch_stream if f.torch else _device.cupy_stream
 
     def __call__(self, f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> None:
         if not self.check(f):

@@ -14,13 +14,13 @@ from typing import Any
 
 from . import checks as _checks
 from . import cpu_path as _cpu
+from . import device as _device
 from . import dtypes as _dtypes
 from . import facts as _facts
 from . import forms as _forms
 from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
-from . import runtime as _runtime
 from .layout import INT32, apart, apart_all, distinct, end, extent
 
 _FORM_CACHE_LIMIT = 4096  # distinct (T, H, D, layout) entries a plan keeps; past it, it starts again
@@ -55,13 +55,13 @@ class Plan:
         self.in_size, self.out_size = _dtypes.itemsize(in_dtype), _dtypes.itemsize(self.out_dtype)
         self.vec = (16 // self.in_size) if aligned else 1
         self.ctypes = (_dtypes.ctype(in_dtype), _dtypes.ctype(self.out_dtype))
-        self.dev = _forms.Device(_runtime.sm_count(self.device), _runtime.l2_bytes(self.device))
+        self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
         self.forms: dict = {}
         c = self.consts = Consts()
         c.k, c.inv_k = _checks.LSE_BASES[v["base"]]
         c.suffix_verbatim = c.a_is64 = 0
         self.torch = torch
-        self.stream = _runtime.torch_stream if torch else _runtime.cupy_stream
+        self.stream = _device.torch_stream if torch else _device.cupy_stream
         if torch:
             t = sys.modules["torch"]
             self.t_out = getattr(t, self.out_dtype)

@@ -17,7 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import runtime as _runtime
+from . import compiler as _compiler
+from . import launch as _launch
 
 _plans: dict[Any, Any] = {}
 _lock = threading.RLock()  # builders look up the launchers they use
@@ -46,11 +47,11 @@ def remember(key: Any, plan: Any) -> None:
         _plans[key] = plan
 
 
-def launcher(kernel: Any, targs: tuple, device: int) -> _runtime.Launcher:
+def launcher(kernel: Any, targs: tuple, device: int) -> _launch.Launcher:
     """The launcher of one instantiation, shared by every plan that uses it."""
     return lookup(
         ("launcher", kernel.stem, kernel.name, targs, device),
-        lambda: _runtime.Launcher(kernel, targs, device),
+        lambda: _launch.Launcher(kernel, targs, device),
     )
 
 
@@ -58,4 +59,4 @@ def clear_cache() -> None:
     """Forget every plan, then every loaded function (the disk cache stays)."""
     with _lock:
         _plans.clear()
-    _runtime.clear_functions()
+    _compiler.clear_functions()
