@@ -51,8 +51,8 @@ def recorded(monkeypatch):
 
 
 def _on_device(read):
-    def on_device(objs):
-        f = read(objs)
+    def on_device(*args):
+        f = read(*args)
         if f is not None:
             f.device = 0
         return f
@@ -414,3 +414,21 @@ def test_alignment_is_part_of_the_signature(recorded):
     for x in (v_a.clone(), _shifted(v_a), v_a.clone()):
         zerokv.fixup_zero_kv_rows(x, torch.randn(T, H), lens, cu)
         assert recorded[-1][1][1] == (1 if x.data_ptr() % 16 else 8)
+
+
+def test_vllm_reads_its_h_t_lses_as_their_transposes(recorded):
+    """vLLM's [H, T] LSEs reach the kernel as the [T, H] layout (token stride 1) without a
+    view made per call, the same launch as merge_state with ``.T`` views; an LSE of the wrong
+    shape is reported in vLLM's terms."""
+    T, H, D = 40, 4, 64
+    v_a, _, v_b, _ = _states(T, H, D)
+    p_lse, s_lse, o_lse = torch.randn(H, T), torch.randn(H, T), torch.empty(H, T)
+    out = torch.empty(T, H, D, dtype=torch.bfloat16)
+    vllm.merge_attn_states(out, v_a, p_lse, v_b, s_lse, o_lse)
+    name, targs, grid, a = recorded[-1]
+    assert (a["sa"], a["sa_st"], a["sa_sh"], a["ol_st"], a["ol_sh"]) == (p_lse.data_ptr(), 1, T, 1, T)
+    assert a["suffix_verbatim"] == 1
+    zerokv.merge.merge_two(v_a, p_lse.T, v_b, s_lse.T, out, o_lse.T, suffix_verbatim=True, allocate_lse=False)
+    assert recorded[-1][:3] == (name, targs, grid) and recorded[-1][3] == a
+    with pytest.raises(ValueError, match=r"prefix_lse: expected shape \(4, 40\) \(num_heads, num_tokens\)"):
+        vllm.merge_attn_states(out, v_a, p_lse.T.contiguous(), v_b, s_lse, o_lse)

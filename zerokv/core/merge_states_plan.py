@@ -52,7 +52,8 @@ class NPlan(Plan):
     def __init__(self, f: _facts.NFacts, scalars: tuple) -> None:
         v = _merge_checks.n(f.objs, scalars[0])
         self._setup(v, v["v"].dtype, v["out"], f.sig[-2], f.torch)
-        self.plain = v["scale"] is None and v["sinks"] is None
+        self.scale, self.sinks = v["scale"] is not None, v["sinks"] is not None
+        self.plain = not (self.scale or self.sinks)
         self.allocate_lse = scalars[1]
         self.consts.prefix_rows = 0
 
@@ -101,11 +102,11 @@ class NPlan(Plan):
         end_s = end(ps + (N - 1) * f.s_sn * 4, T, f.s_st, H, f.s_sh, 1, 4)
         spans = [(pv, end_v), (ps, end_s)]
         widest = max((end_v - pv) // isz, (end_s - ps) // 4, T * H * D)
-        if f.sinks:
+        if self.sinks:
             if f.sinks_len != H or (H > 1 and f.sinks_st != 1):
                 return -1
             spans.append((f.sinks, f.sinks + 4 * H))
-        if f.out_scale:
+        if self.scale:
             if f.scale_len != 1:
                 return -1
             spans.append((f.out_scale, f.out_scale + 4))
