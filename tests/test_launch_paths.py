@@ -44,6 +44,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(_device, "sm_count", lambda device: 132)
     monkeypatch.setattr(_device, "l2_bytes", lambda device: 50 << 20)
     monkeypatch.setattr(_device, "torch_stream", lambda device: 0)
+    monkeypatch.setattr(_device, "cupy_stream", lambda device: 0)
     for name in ("read_two", "read_n", "read_rows"):
         monkeypatch.setattr(_facts, name, _on_device(getattr(_facts, name)))
     yield log
@@ -432,3 +433,22 @@ def test_vllm_reads_its_h_t_lses_as_their_transposes(recorded):
     assert recorded[-1][:3] == (name, targs, grid) and recorded[-1][3] == a
     with pytest.raises(ValueError, match=r"prefix_lse: expected shape \(4, 40\) \(num_heads, num_tokens\)"):
         vllm.merge_attn_states(out, v_a, p_lse.T.contiguous(), v_b, s_lse, o_lse)
+
+
+def test_other_producers_take_the_same_path(recorded):
+    """Arrays of another producer (numpy here, read through DLPack's facts as CuPy's are) are
+    read into the same facts and launch what the same torch tensors launch; a later call with
+    a partial overlap is rejected by name."""
+    np = pytest.importorskip("numpy")
+    T, H, D = 33, 4, 64
+    v_a, s_a, v_b, s_b = (x.float() for x in _states(T, H, D))
+    out, out_lse = torch.empty(T, H, D), torch.empty(T, H)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse)
+    want = recorded[-1]
+    arrays = [x.numpy() for x in (v_a, s_a, v_b, s_b, out, out_lse)]
+    for _ in range(2):  # the plan's first call, then its cheap check
+        zerokv.merge_state(*arrays[:4], out=arrays[4], out_lse=arrays[5])
+        assert recorded[-1] == want
+    buf = np.zeros(T * H + 1, dtype=np.float32)
+    with pytest.raises(ValueError, match="out_lse overlaps the input s_b"):
+        zerokv.merge_state(*arrays[:3], buf[:-1].reshape(T, H), out=arrays[4], out_lse=buf[1:].reshape(T, H))

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import layout as _layout
 from .layout import INT32
-from .tensors import torch_tensor_type, view
+from .tensors import is_torch, torch_tensor_type, view
 
 _ITEMSIZE = {}  # dtype (torch object or name) -> bytes, filled as dtypes are met
 
@@ -48,13 +48,6 @@ class _Generic:
     def get_device(self) -> int:
         return self.device
 
-    @property
-    def requires_grad(self) -> bool:
-        return False
-
-    def is_inference(self) -> bool:
-        return False
-
 
 def generic(x: Any) -> Any:
     """``x`` itself for a torch tensor (or None), else its facts in torch's spelling."""
@@ -64,12 +57,13 @@ def generic(x: Any) -> Any:
 
 
 def writable_cheap(x: Any) -> bool:
-    """An output that the full check (``checks.writable``) would let through, decided from
-    the object alone: a torch tensor that needs no grad and is no inference tensor; a CUDA
-    array of another producer that is not a JAX array."""
-    if type(x) is _Generic:
-        return type(x.obj).__module__.split(".", 1)[0] not in ("jax", "jaxlib")
-    return not (x.requires_grad or x.is_inference())
+    """An output (the caller's object) that the full check (``checks.writable``) would let
+    through, decided from the object alone: a torch tensor that needs no grad and is no
+    inference tensor; a CUDA array of another producer that is not a JAX array. False: the
+    full check decides (a torch subclass, say)."""
+    if type(x) is torch_tensor_type():
+        return not (x.requires_grad or x.is_inference())
+    return not is_torch(x) and type(x).__module__.split(".", 1)[0] not in ("jax", "jaxlib")
 
 
 class TwoFacts:
