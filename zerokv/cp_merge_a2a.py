@@ -14,7 +14,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from . import _dtypes, _kernels, _plans, _runtime
+from .core import dtypes as _dtypes
+from .core import kernels as _kernels
+from .core import plans as _plans
+from .core import runtime as _runtime
 from .cp_merge_args import Args
 
 _ALIGN = 16

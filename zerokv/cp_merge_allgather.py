@@ -8,8 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _checks, _dtypes, _kernels, _plans, _runtime
-from ._tensors import Tensor, view
+from .core import checks as _checks
+from .core import dtypes as _dtypes
+from .core import kernels as _kernels
+from .core import plans as _plans
+from .core import runtime as _runtime
+from .core.tensors import Tensor, view
 from .cp_merge_args import Args
 
 _WARP_THREADS = 32

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from . import _checks, _dtypes
-from ._tensors import Tensor, view
+from .core import checks as _checks
+from .core import dtypes as _dtypes
+from .core.tensors import Tensor, view
 
 SCATTERS = ("heads", "none")
 EXCHANGES = ("allgather", "a2a")

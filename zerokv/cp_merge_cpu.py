@@ -13,8 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes, _host
-from ._tensors import view
+from .core import cpu_path as _host
+from .core import dtypes as _dtypes
+from .core.tensors import view
 from .cp_merge_args import EXCHANGES, SCATTERS, Args
 
 # fields every rank must agree on, in the order of the exchanged vector
