@@ -8,6 +8,8 @@ LSE ``[T, H]``.
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any
 
 from ..cp_merge import combine
@@ -123,11 +125,14 @@ def dcp_a2a_lse_reduce(
     dtype = getattr(cp_attn_out, "dtype", None)
     if dtype is not None and getattr(dtype, "itemsize", 2) == 1:
         raise ValueError(f"Cannot pack fp32 LSE into output dtype {dtype}.")
-    group = getattr(cp_group, "device_group", cp_group)
-    heads = cp_attn_out.shape[-2] if getattr(cp_attn_out, "ndim", 0) >= 3 else None
-    size = group.size() if hasattr(group, "size") else None
-    if heads is not None and size and heads % size:
-        raise ValueError(f"H={heads} must be divisible by DCP world size {size}.")
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(cp_attn_out, torch.Tensor) and cp_attn_out.ndim >= 3:
+        heads = cp_attn_out.shape[-2]
+        _, size, _ = importlib.import_module("zerokv.cp_merge")._group(
+            torch, getattr(cp_group, "device_group", cp_group), "cp_group"
+        )
+        if heads % size:
+            raise ValueError(f"H={heads} must be divisible by DCP world size {size}.")
     lse_dtype = getattr(cp_attn_lse, "dtype", None)
     if lse_dtype is not None and lse_dtype.is_floating_point and lse_dtype.itemsize != 4:
         cp_attn_lse = cp_attn_lse.float()
