@@ -26,7 +26,8 @@ Two processes are spawned, one per GPU, joined in an NCCL group; rank 0 reports.
 both ranks in step; "1 call" is the CUDA-event time of one eager call. Inputs rotate over sets
 that exceed twice the L2 where a shape allows. The error is against the float64 merge of both
 ranks' inputs on a sample of rows. ``--dry-run``: two gloo processes on the CPU, tiny shapes,
-synthetic times. Without two GPUs the part reports itself skipped.
+synthetic times. Without two GPUs the part reports itself skipped; the all-to-all's kernels
+alone are measured on one GPU beside it (``bench/bench_cp_kernels.py``).
 """
 
 from __future__ import annotations
@@ -61,7 +62,10 @@ def grid(mode: str) -> tuple[tuple[int, ...], int, int]:
 
 
 def tasks(b: Bench, part: str) -> list[Task]:
-    return [Task(part, f"{OP} on {WORLD} GPUs (T = {', '.join(map(str, grid(b.mode)[0]))})", run)]
+    from . import bench_cp_kernels
+
+    local = bench_cp_kernels.tasks(b, part)  # the all-to-all's kernels alone, on one GPU
+    return [Task(part, f"{OP} on {WORLD} GPUs (T = {', '.join(map(str, grid(b.mode)[0]))})", run), *local]
 
 
 def run(b: Bench) -> list[Row]:
