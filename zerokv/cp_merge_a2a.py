@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from .core import device as _device
 from .core import dtypes as _dtypes
 from .core import kernels as _kernels
 from .core import plans as _plans
-from .core import runtime as _runtime
 from .cp_merge_args import Args
 
 _ALIGN = 16
@@ -83,7 +83,7 @@ def run(torch, pg, N, rank, collectives, a: Args, out, out_lse, sinks, out_scale
         lay = layout(N, a.T, a.Hn, a.D, a.wire)
         send = torch.empty(lay.nbytes, dtype=torch.uint8, device=out.device)
         recv = torch.empty_like(send) if N > 1 else send
-        _pack(a, lay, send.data_ptr(), nan_empty, _runtime.torch_stream(a.device))
+        _pack(a, lay, send.data_ptr(), nan_empty, _device.torch_stream(a.device))
     if N > 1:
         collectives[3](recv, send, group=pg)
     v_in, s_in = views(torch, recv, lay)

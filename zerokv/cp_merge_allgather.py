@@ -9,10 +9,10 @@ from __future__ import annotations
 from typing import Any
 
 from .core import checks as _checks
+from .core import device as _device
 from .core import dtypes as _dtypes
 from .core import kernels as _kernels
 from .core import plans as _plans
-from .core import runtime as _runtime
 from .core.tensors import Tensor, view
 from .cp_merge_args import Args
 
@@ -22,7 +22,7 @@ _WARP_THREADS = 32
 def run(torch, pg, N, rank, collectives, a: Args, v, s, out, out_lse, nan_empty) -> None:
     """The combine on the GPU; ``collectives``: ``(all_gather, reduce_scatter, all_reduce, _)``."""
     dev, T, H, D, Hn, scatter = a.device, a.T, a.H, a.D, a.Hn, a.scatter
-    stream = _runtime.torch_stream(dev)
+    stream = _device.torch_stream(dev)
     all_gather, reduce_scatter, all_reduce, _ = collectives
     rows = T * H
 
@@ -67,7 +67,7 @@ def run(torch, pg, N, rank, collectives, a: Args, v, s, out, out_lse, nan_empty)
     # chunk run beside it. Where the collective writes the output, one piece is faster.
     chunks = _chunks(T, H * D * _dtypes.itemsize(a.wire), N, direct)
     overlap = len(chunks) > 1
-    cap = _runtime.sm_count(dev) * _OVERLAP_THREADS_PER_SM if overlap else 0
+    cap = _device.sm_count(dev) * _OVERLAP_THREADS_PER_SM if overlap else 0
     waiting: list = []  # (work, t0, t1) of collectives issued, oldest first
     for t0, t1 in chunks:
         if scatter == "none":
