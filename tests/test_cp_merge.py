@@ -338,3 +338,67 @@ def test_a2a_kernels_in_a_cuda_graph(N):
 def test_nccl_one_gpu(tmp_path):
     """A real NCCL group of one: the default-group path, no collectives, the same cases."""
     nccl_run(tmp_path, 1)
+
+
+# --- the launches: every parameter packed by name --------------------------------------------------
+
+
+class _Recorder:
+    """A launcher that packs the arguments as the real one does and keeps the bytes."""
+
+    def __init__(self, kernel, targs, device, seen):
+        self.kernel, self.targs, self.seen = kernel, targs, seen
+
+    def launch(self, grid, grid_y, stream, bind, *records):
+        buf = bytearray(self.kernel.packer.size)
+        bind(buf, *records)
+        self.seen.append((self.kernel.name, self.targs, grid, stream, bytes(buf)))
+
+
+class _Ptr:
+    def __init__(self, p):
+        self.p = p
+
+    def data_ptr(self):
+        return self.p
+
+
+def test_launches_pack_every_parameter_by_name(monkeypatch):
+    """The pack kernels' and the finalize kernel's arguments, packed by name from a call's
+    facts, are the bytes of the kernel's parameters in its C order (written out here by hand)."""
+    import zerokv.cp_merge_launch as launch_mod
+    from zerokv.core import kernels
+    from zerokv.core.tensors import Tensor
+
+    seen: list = []
+    monkeypatch.setattr(launch_mod._plans, "launcher", lambda k, t, d: _Recorder(k, t, d, seen))
+    monkeypatch.setattr(launch_mod._plans, "get", lambda key: None)  # build a plan every time,
+    monkeypatch.setattr(launch_mod._plans, "lookup", lambda key, build: build())  # never kept
+
+    def t(ptr, shape, strides, dtype):
+        return Tensor(None, ptr, shape, strides, dtype, 0, True)
+
+    a = cpm.cp_merge_a2a.Args(
+        t(4096, (7, 6, 40), (320, 48, 1), "bfloat16"), t(8192, (7, 6), (1, 9), "float32"), None, None,
+        t(1 << 21, (3,), (1,), "int64"), t(1 << 22, (4,), (1,), "int32"),
+        7, 6, 40, 3, "float32", "bfloat16", "e", 0, "heads", "a2a", None,
+    )  # fmt: skip
+    lay = cpm.cp_merge_a2a.layout(2, 7, 3, 40, "float32")
+    cpm.cp_merge_a2a._pack(a, lay, 1 << 30, True, 77)
+    cp_ag = cpm.cp_merge_allgather
+    cp_ag._pack_lse(a, _Ptr(1 << 31), 78)
+    o = t(1 << 35, (7, 3, 40), (240, 80, 1), "bfloat16")
+    cp_ag._finalize(a, _Ptr(1 << 34), o, 1, 6, None, 80)
+    pack = kernels.CP_A2A_PACK.packer.pack
+    want = [
+        ("cp_a2a_pack_kernel", ("zk_bfloat16", "float", 8, 1), -(-7 * 6 * 8 // 256), 77,
+         pack(4096, 320, 48, 8192, 1, 9, 1 << 30, lay.chunk, lay.lse_off, 7, 6, 3, 40, 3, 1, 1 << 21, 1, 1 << 22, 0, 3)),
+        ("cp_pack_lse_kernel", (1,), 1, 78,
+         kernels.CP_PACK_LSE.packer.pack(8192, 1, 9, 1 << 31, 7, 6, 1 << 21, 1, 1 << 22, 0, 3)),
+        ("cp_finalize_kernel", ("float", "zk_bfloat16", 8), 1, 80,
+         kernels.CP_FINALIZE.packer.pack(1 << 34, (1 << 35) + 240 * 2, 240, 80, 5, 3, 40, 8, 0)),
+    ]  # fmt: skip
+    assert seen == want
+    with pytest.raises(TypeError, match=r"missing \['batch'\]"):
+        launch_mod.launch(kernels.CP_PACK_LSE, (0,), 0, 1, 0, **dict.fromkeys(["s", "s_st", "s_sh", "dst", "T", "H",
+                          "seq_lens", "sl_is64", "qsl", "q_is64"], 0))  # fmt: skip

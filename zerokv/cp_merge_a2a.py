@@ -17,8 +17,8 @@ from typing import Any, NamedTuple
 from .core import device as _device
 from .core import dtypes as _dtypes
 from .core import kernels as _kernels
-from .core import plans as _plans
 from .cp_merge_args import Args
+from .cp_merge_launch import launch
 
 _ALIGN = 16
 
@@ -102,14 +102,12 @@ def _pack(a: Args, lay: Layout, send_ptr: int, nan_empty: bool, stream: int) -> 
     masked = a.seq_lens is not None
     block = _kernels.CP_A2A_PACK.block
     threads = a.T * a.H << lanes_log2
-    launch = _plans.launcher(
-        _kernels.CP_A2A_PACK, (_dtypes.ctype(vt.dtype), _dtypes.ctype(a.wire), vec, int(masked)), a.device
-    )
     sl, q = a.seq_lens, a.qsl
+    targs = (_dtypes.ctype(vt.dtype), _dtypes.ctype(a.wire), vec, int(masked))
     launch(
-        -(-threads // block), stream,
-        vt.ptr, vt.strides[0], vt.strides[1], st.ptr, st.strides[0], st.strides[1],
-        send_ptr, lay.chunk, lay.lse_off, a.T, a.H, a.Hn, D, lanes_log2, int(nan_empty),
-        sl.ptr if masked else 0, int(masked and sl.dtype == "int64"),
-        q.ptr if masked else 0, int(masked and q.dtype == "int64"), sl.shape[0] if masked else 0,
+        _kernels.CP_A2A_PACK, targs, a.device, -(-threads // block), stream,
+        v=vt.ptr, v_st=vt.strides[0], v_sh=vt.strides[1], s=st.ptr, s_st=st.strides[0], s_sh=st.strides[1],
+        send=send_ptr, chunk=lay.chunk, lse_off=lay.lse_off, T=a.T, H=a.H, Hn=a.Hn, D=D, lanes_log2=lanes_log2,
+        nan_empty=int(nan_empty), seq_lens=sl.ptr if masked else 0, sl_is64=int(masked and sl.dtype == "int64"),
+        qsl=q.ptr if masked else 0, q_is64=int(masked and q.dtype == "int64"), batch=sl.shape[0] if masked else 0,
     )  # fmt: skip

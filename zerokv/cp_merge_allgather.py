@@ -12,9 +12,9 @@ from .core import checks as _checks
 from .core import device as _device
 from .core import dtypes as _dtypes
 from .core import kernels as _kernels
-from .core import plans as _plans
 from .core.tensors import Tensor, view
 from .cp_merge_args import Args
+from .cp_merge_launch import launch
 
 _WARP_THREADS = 32
 
@@ -120,13 +120,12 @@ def _chunks(T: int, wire_bytes_per_token: int, N: int, direct: bool) -> list[tup
 def _pack_lse(a: Args, dst: Any, stream: int) -> None:
     T, H, st = a.T, a.H, a.s
     masked = a.seq_lens is not None
-    launch = _plans.launcher(_kernels.CP_PACK_LSE, (int(masked),), a.device)
     sl, q = a.seq_lens, a.qsl
     launch(
-        -(-T * H // _kernels.CP_PACK_LSE.block), stream,
-        st.ptr, st.strides[0], st.strides[1], dst.data_ptr(), T, H,
-        sl.ptr if masked else 0, int(masked and sl.dtype == "int64"),
-        q.ptr if masked else 0, int(masked and q.dtype == "int64"), sl.shape[0] if masked else 0,
+        _kernels.CP_PACK_LSE, (int(masked),), a.device, -(-T * H // _kernels.CP_PACK_LSE.block), stream,
+        s=st.ptr, s_st=st.strides[0], s_sh=st.strides[1], dst=dst.data_ptr(), T=T, H=H,
+        seq_lens=sl.ptr if masked else 0, sl_is64=int(masked and sl.dtype == "int64"),
+        qsl=q.ptr if masked else 0, q_is64=int(masked and q.dtype == "int64"), batch=sl.shape[0] if masked else 0,
     )  # fmt: skip
 
 
@@ -155,17 +154,14 @@ class _Combine:
         if cap:
             blocks = max(1, min(blocks, cap // _kernels.CP_COMBINE.block))
         k, inv_k = _checks.LSE_BASES[a.base]
-        launch = _plans.launcher(
-            _kernels.CP_COMBINE, (_dtypes.ctype(vt.dtype), _dtypes.ctype(a.wire), vec), a.device
-        )
         launch(
-            blocks, self.stream,
-            vt.ptr + t0 * self.v_bytes, vt.strides[0], vt.strides[1],
-            self.lses_ptr + t0 * a.H * 4, a.T * a.H, wire_ptr,
-            ol.ptr + t0 * ol.strides[0] * 4 if ol else 0, ol.strides[0] if ol else 0, ol.strides[1] if ol else 0,
-            a.sinks.ptr if a.sinks else 0,
-            self.N, self.rank, t1 - t0, a.H, a.D, a.Hn, self.lse_h0, a.Hn,
-            _lanes(a.D, vec), tile, self.nan_empty, k, inv_k,
+            _kernels.CP_COMBINE, (_dtypes.ctype(vt.dtype), _dtypes.ctype(a.wire), vec), a.device, blocks, self.stream,
+            v=vt.ptr + t0 * self.v_bytes, v_st=vt.strides[0], v_sh=vt.strides[1],
+            lses=self.lses_ptr + t0 * a.H * 4, l_sn=a.T * a.H, wire=wire_ptr,
+            olse=ol.ptr + t0 * ol.strides[0] * 4 if ol else 0, ol_st=ol.strides[0] if ol else 0,
+            ol_sh=ol.strides[1] if ol else 0, sinks=a.sinks.ptr if a.sinks else 0,
+            N=self.N, rank=self.rank, T=t1 - t0, H=a.H, D=a.D, Hn=a.Hn, lse_h0=self.lse_h0, lse_hn=a.Hn,
+            lanes=_lanes(a.D, vec), tile_rows=tile, nan_empty=self.nan_empty, k=k, inv_k=inv_k,
         )  # fmt: skip
 
 
@@ -183,12 +179,10 @@ def _finalize(a: Args, red: Any, o: Tensor, t0: int, t1: int, cap: int | None, s
     blocks = max(1, -(-rows // per_block))
     if cap:
         blocks = min(blocks, max(1, cap // _kernels.CP_FINALIZE.block))
-    launch = _plans.launcher(
-        _kernels.CP_FINALIZE, (_dtypes.ctype(a.wire), _dtypes.ctype(o.dtype), vec), a.device
-    )
     launch(
-        blocks, stream, red.data_ptr(), ptr, o.strides[0], o.strides[1], t1 - t0, Hn, D, lanes,
-        a.scale.ptr if a.scale else 0,
+        _kernels.CP_FINALIZE, (_dtypes.ctype(a.wire), _dtypes.ctype(o.dtype), vec), a.device, blocks, stream,
+        src=red.data_ptr(), out=ptr, o_st=o.strides[0], o_sh=o.strides[1], T=t1 - t0, Hn=Hn, D=D, lanes=lanes,
+        out_scale=a.scale.ptr if a.scale else 0,
     )  # fmt: skip
 
 
