@@ -6,11 +6,19 @@ Two processes are spawned, one per GPU, joined in an NCCL group; rank 0 reports.
 
 * ``zerokv``: ``cp_merge`` with the float32 wire (the default); ``zerokv bf16 wire``: the same
   summing in bf16, as vLLM does.
+* ``zerokv a2a`` / ``zerokv a2a fp32 wire``: ``cp_merge(exchange="a2a")``: the pack kernel, one
+  all-to-all of V with its LSE beside it (bf16 as it is, or sent as float32), the merge kernel;
+  ``..., no pack``: the same from a ``cp_send_buffer`` the partial was written into.
+* ``vLLM design a2a`` / ``... fp32 wire``: the all-to-all design in torch, written from its
+  description: a ``[N, T, H/N, D + 32/bits]`` buffer packed by copies (the float32 LSE bitcast into
+  the last columns), one ``all_to_all_single``, the LSE unpacked and the partials weighed and
+  summed in float32 by eager torch ops.
 * ``vLLM design``: vLLM's ``cp_lse_ag_out_rs`` steps in torch: an all-gather of the LSE, the
   rescale by ``exp(lse_r - lse)`` in eager torch ops (in place, as vLLM's kernel does), the
   transpose copy to head-major, a bf16 reduce-scatter, the transpose copy back.
 * ``collectives fp32`` / ``collectives bf16``: the all-gather of the LSE and the reduce-scatter of
-  the ``[N, T, H/N, D]`` buffer in that dtype, nothing else: the floor of each wire.
+  the ``[N, T, H/N, D]`` buffer in that dtype, nothing else: the floor of each wire;
+  ``a2a collective bf16`` / ``... fp32``: the all-to-all of the packed buffer alone.
 * ``..., no overlap``: where ``cp_merge`` pipelines (chunks of tokens, each chunk's collective
   beside the next chunk's kernels), the same call run in one piece, to show what the overlap buys.
 
@@ -18,7 +26,8 @@ Two processes are spawned, one per GPU, joined in an NCCL group; rank 0 reports.
 both ranks in step; "1 call" is the CUDA-event time of one eager call. Inputs rotate over sets
 that exceed twice the L2 where a shape allows. The error is against the float64 merge of both
 ranks' inputs on a sample of rows. ``--dry-run``: two gloo processes on the CPU, tiny shapes,
-synthetic times. Without two GPUs the part reports itself skipped.
+synthetic times. Without two GPUs the part reports itself skipped; the all-to-all's kernels
+alone are measured on one GPU beside it (``bench/bench_cp_kernels.py``).
 """
 
 from __future__ import annotations
@@ -36,8 +45,11 @@ from .common import Bench, Row, Task, max_error
 
 OP = "cp_merge"
 ZEROKV, ZEROKV_BF16, VLLM = "zerokv", "zerokv bf16 wire", "vLLM design"
+A2A, A2A_FP32, NO_PACK = "zerokv a2a", "zerokv a2a fp32 wire", ", no pack"
+VLLM_A2A, VLLM_A2A_FP32 = "vLLM design a2a", "vLLM design a2a fp32 wire"
 NO_OVERLAP = ", no overlap"
 COLL_FP32, COLL_BF16 = "collectives fp32", "collectives bf16"
+COLL_A2A_BF16, COLL_A2A_FP32 = "a2a collective bf16", "a2a collective fp32"
 WORLD = 2
 SAMPLE = 128  # (token, head) rows checked against the float64 reference
 
@@ -50,7 +62,10 @@ def grid(mode: str) -> tuple[tuple[int, ...], int, int]:
 
 
 def tasks(b: Bench, part: str) -> list[Task]:
-    return [Task(part, f"{OP} on {WORLD} GPUs (T = {', '.join(map(str, grid(b.mode)[0]))})", run)]
+    from . import bench_cp_kernels
+
+    local = bench_cp_kernels.tasks(b, part)  # the all-to-all's kernels alone, on one GPU
+    return [Task(part, f"{OP} on {WORLD} GPUs (T = {', '.join(map(str, grid(b.mode)[0]))})", run), *local]
 
 
 def run(b: Bench) -> list[Row]:
@@ -75,6 +90,32 @@ def _collectives(torch: Any) -> tuple[Any, Any]:
     ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     return ag, rs
+
+
+def vllm_design_a2a(torch: Any, v: Any, s: Any, N: int, wire: Any) -> Any:
+    """The all-to-all combine in the design vLLM describes, in torch: ``[N, T, H/N, D + P]``
+    (``P = 32 / bits``) packed by copies with the float32 LSE bitcast into the last ``P``
+    columns, one ``all_to_all_single``, then the LSE unpacked and the N partials weighed by
+    ``exp(lse_n - lse)`` (NaN / +inf as -inf; a weight of NaN as 0) and summed in float32.
+    Returns ``out [T, H/N, D]`` in ``v``'s dtype."""
+    T, H, D = v.shape
+    Hn = H // N
+    P = 32 // torch.finfo(wire).bits
+    send = torch.empty((N, T, Hn, D + P), dtype=wire, device=v.device)
+    send[..., :D] = v.view(T, N, Hn, D).transpose(0, 1)
+    send[..., D:] = s.float().view(T, N, Hn).transpose(0, 1).contiguous().unsqueeze(-1).view(wire)
+    recv = torch.empty_like(send)
+    torch.distributed.all_to_all_single(recv.view(torch.uint8).view(-1), send.view(torch.uint8).view(-1))
+    lses = recv[..., D:].contiguous().view(torch.float32).squeeze(-1)  # [N, T, Hn]
+    inf = float("inf")
+    lses = torch.where(torch.isnan(lses) | (lses == inf), -inf, lses)
+    m = lses.amax(0)
+    m = torch.where(m == -inf, 0.0, m)
+    lse = torch.log(torch.exp(lses - m).sum(0)) + m
+    w = torch.exp(lses - lse)
+    w = torch.where(torch.isnan(w), 0.0, w)
+    out = (recv[..., :D].float() * w.unsqueeze(-1)).sum(0)
+    return out.to(v.dtype)
 
 
 def vllm_design(torch: Any, v: Any, s: Any, N: int, rank: int) -> tuple[Any, Any]:
@@ -137,6 +178,8 @@ def _measure_all(torch: Any, rank: int, mode: str, l2_bytes: int) -> list[Row]:
 def _measure(torch: Any, timer: Any, rank: int, dev: Any, T: int, H: int, D: int, l2_bytes: int) -> list[Row]:
     import zerokv
 
+    cpm_a2a = importlib.import_module("zerokv.cp_merge_a2a")
+
     all_gather, reduce_scatter = _collectives(torch)
     N, Hn = WORLD, H // WORLD
     set_bytes = T * H * (D * 2 + 4)
@@ -153,14 +196,45 @@ def _measure(torch: Any, timer: Any, rank: int, dev: Any, T: int, H: int, D: int
         all_gather(lses, s.view(-1))
         reduce_scatter(reduced[wire_t], wires[wire_t])
 
+    a2a_bufs = {t: torch.empty((cpm_a2a.layout(N, T, Hn, D, str(t)[6:]).nbytes,), dtype=torch.uint8, device=dev)
+                for t in wires}  # fmt: skip
+    a2a_recv = {t: torch.empty_like(b) for t, b in a2a_bufs.items()}
+
+    def coll_a2a(wire_t: Any, v: Any, s: Any) -> None:
+        torch.distributed.all_to_all_single(a2a_recv[wire_t], a2a_bufs[wire_t])
+
+    # the send buffers the partials were written into (no pack): one per set, filled once
+    def send_sets(wire_t: Any) -> list:
+        out = []
+        for v0, s0 in sets:
+            bv, bl, send = zerokv.cp_send_buffer(T, H, D, wire_t, device=dev)
+            for j in range(N):
+                bv[j].copy_(v0[:, j * Hn : (j + 1) * Hn])
+                bl[j].copy_(s0[:, j * Hn : (j + 1) * Hn])
+            out.append((bv, bl, send))
+        return out
+
     impls = [
         (ZEROKV, lambda v, s: zerokv.cp_merge(v, s)),
         (ZEROKV_BF16, lambda v, s: zerokv.cp_merge(v, s, wire_dtype=torch.bfloat16)),
+        (A2A, lambda v, s: zerokv.cp_merge(v, s, exchange="a2a")),
+        (A2A_FP32, lambda v, s: zerokv.cp_merge(v, s, exchange="a2a", wire_dtype=torch.float32)),
         (VLLM, lambda v, s: vllm_design(torch, v, s, N, rank)[0]),
+        (VLLM_A2A, lambda v, s: vllm_design_a2a(torch, v, s, N, torch.bfloat16)),
+        (VLLM_A2A_FP32, lambda v, s: vllm_design_a2a(torch, v, s, N, torch.float32)),
         (COLL_FP32, lambda v, s: coll(torch.float32, v, s)),
         (COLL_BF16, lambda v, s: coll(torch.bfloat16, v, s)),
+        (COLL_A2A_BF16, lambda v, s: coll_a2a(torch.bfloat16, v, s)),
+        (COLL_A2A_FP32, lambda v, s: coll_a2a(torch.float32, v, s)),
     ]
-    cpm = importlib.import_module("zerokv.cp_merge")
+    no_pack = {
+        A2A + NO_PACK: (torch.bfloat16, lambda v, s, send: zerokv.cp_merge(v, s, exchange="a2a", send=send)),
+        A2A_FP32 + NO_PACK: (
+            torch.float32,
+            lambda v, s, send: zerokv.cp_merge(v, s, exchange="a2a", send=send),
+        ),
+    }
+    cpm = importlib.import_module("zerokv.cp_merge_allgather")
     # the float32 wire is pipelined here (the bf16 one is summed straight into the output, in one
     # piece): the same call without the overlap beside it
     if len(cpm._chunks(T, H * D * 4, N, False)) > 1:
@@ -179,12 +253,19 @@ def _measure(torch: Any, timer: Any, rank: int, dev: Any, T: int, H: int, D: int
     rows = []
     for impl, call in impls:
         err = None
-        if not impl.startswith("collectives"):
+        if "collective" not in impl:
             v0, s0 = sets[0]
             err = _check(torch, call(v0.clone(), s0), v0, s0, rank, T, H, D)
         us, event_us, stats = timer.time(call, sets, T)
         rows.append(Row(op=OP, impl=impl, dtype="bf16", T=T, H=H, D=D, us=us, event_us=event_us,
                         max_err=err, params={"N": N}, stats=stats))  # fmt: skip
+    for impl, (wire_t, call) in no_pack.items():
+        ss = send_sets(wire_t)
+        err = _check(torch, call(*ss[0]), *sets[0], rank, T, H, D)
+        us, event_us, stats = timer.time(call, ss, T)
+        rows.append(Row(op=OP, impl=impl, dtype="bf16", T=T, H=H, D=D, us=us, event_us=event_us,
+                        max_err=err, params={"N": N}, stats=stats))  # fmt: skip
+        del ss
     return rows
 
 

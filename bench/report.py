@@ -545,6 +545,33 @@ def cp_targets(rows: list[Row]) -> list[Target]:
         pairs = [(cp.get((ours, T)), cp.get((coll, T)), T) for T in Ts if T >= 1024]
         t = Target(f"{CP} {ours} / {coll} alone, T >= 1024", "<= 1.20")
         out.append(_worst(t, [(z.us / c.us, f"T={T}") for z, c, T in pairs if z and c], 1.2, False, " x"))
+    return out + _cp_a2a_targets(cp, Ts)
+
+
+# the all-to-all rows (issue 27): (zerokv a2a, the same without the pack, the vLLM-design a2a,
+# zerokv's AG + RS of that wire, the AG + RS collectives alone of that wire)
+CP_A2A = (
+    ("zerokv a2a", "zerokv a2a, no pack", "vLLM design a2a", "zerokv bf16 wire", "collectives bf16"),
+    ("zerokv a2a fp32 wire", "zerokv a2a fp32 wire, no pack", "vLLM design a2a fp32 wire", "zerokv",
+     "collectives fp32"),
+)  # fmt: skip
+
+
+def _cp_a2a_targets(cp: dict, Ts: list[int]) -> list[Target]:
+    """zerokv's a2a <= 1.00 x the AG + RS collectives alone at T >= 1024 (<= 0.90 without the
+    pack), ahead of the vLLM-design a2a and of zerokv's own AG + RS at every T."""
+    out = []
+    for ours, no_pack, vllm_a2a, ag_rs, coll in CP_A2A:
+        if not any((ours, T) in cp for T in Ts):
+            continue
+        for impl, other, big, goal in ((ours, coll, True, 1.0), (no_pack, coll, True, 0.9),
+                                       (ours, vllm_a2a, False, 1.0), (ours, ag_rs, False, 1.0)):  # fmt: skip
+            pairs = [(cp.get((impl, T)), cp.get((other, T)), T) for T in Ts if T >= 1024 or not big]
+            where = "T >= 1024" if big else "every T"
+            t = Target(f"{CP} {impl} / {other}, {where}", f"<= {goal:.2f}")
+            out.append(
+                _worst(t, [(z.us / c.us, f"T={T}") for z, c, T in pairs if z and c], goal, False, " x")
+            )
     return out
 
 

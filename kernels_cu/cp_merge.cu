@@ -13,10 +13,23 @@
 // sink), V scaled by base^(S_old - S)): -inf changes nothing, +inf gives (0, +inf).
 #include "common.cuh"
 
+// vLLM's empty-shard rule: row t is empty on this rank when t >= qsl[B] (padding past the batch)
+// or when its request q = min(#{i in 1..B : qsl[i] <= t}, B - 1) has seq_lens[q] == 0. The
+// count is a binary search (searchsorted for non-decreasing offsets); B = 0 leaves the first rule.
+__device__ __forceinline__ bool empty_shard_row(i64 t, const void* seq_lens, int sl_is64, const void* qsl,
+                                                int q_is64, i64 batch) {
+  if (t >= load_index(qsl, q_is64, batch)) return true;
+  if (batch <= 0) return false;
+  i64 lo = 0, hi = batch;
+  while (lo < hi) {
+    const i64 mid = (lo + hi) >> 1;
+    if (load_index(qsl, q_is64, mid + 1) <= t) lo = mid + 1; else hi = mid;
+  }
+  return load_index(seq_lens, sl_is64, lo < batch - 1 ? lo : batch - 1) == 0;
+}
+
 // --- this rank's LSE into its slot of the all-gather buffer -------------------------------------
-// dst[t * H + h] = s[t, h] (any strides). MASK = 1 applies vLLM's empty-shard rule first: row t
-// is empty when t >= qsl[B] (padding past the batch) or when its request
-// q = min(#{i in 1..B : qsl[i] <= t}, B - 1) has seq_lens[q] == 0; empty rows get -inf.
+// dst[t * H + h] = s[t, h] (any strides); MASK = 1 applies the empty-shard rule first (-inf).
 template <int MASK>
 __global__ void __launch_bounds__(ZK_BLOCK_cp_pack_lse_kernel) cp_pack_lse_kernel(
     const float* __restrict__ s, i64 s_st, i64 s_sh, float* __restrict__ dst, i64 T, i64 H,
@@ -27,19 +40,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_cp_pack_lse_kernel) cp_pack_lse_kerne
   i64 t, h;
   split_row(i, H, rows, t, h);
   float x = s[t * s_st + h * s_sh];
-  if (MASK) {
-    bool empty = t >= load_index(qsl, (int)q_is64, batch);
-    if (!empty && batch > 0) {
-      i64 lo = 0, hi = batch;  // how many of qsl[1..B] are <= t (binary search, as searchsorted)
-      while (lo < hi) {
-        const i64 mid = (lo + hi) >> 1;
-        if (load_index(qsl, (int)q_is64, mid + 1) <= t) lo = mid + 1; else hi = mid;
-      }
-      const i64 q = lo < batch - 1 ? lo : batch - 1;
-      empty = load_index(seq_lens, (int)sl_is64, q) == 0;
-    }
-    if (empty) x = neg_inf();
-  }
+  if (MASK && empty_shard_row(t, seq_lens, (int)sl_is64, qsl, (int)q_is64, batch)) x = neg_inf();
   dst[i] = x;
 }
 
@@ -176,5 +177,45 @@ __global__ void __launch_bounds__(ZK_BLOCK_cp_finalize_kernel) cp_finalize_kerne
       for (int q = 0; q < VEC; ++q) acc[q] = to_float(x.v[q]);
       store_pack<Tout, VEC>(o + d, convert_pack<Tout, VEC>(acc, inv_scale));
     }
+  }
+}
+
+// --- all-to-all: this rank's state into the send buffer, one chunk per peer ---------------------
+// Chunk j (at j * chunk bytes) carries heads [j * Hn, (j + 1) * Hn) for peer j: V as [T, Hn, D] in
+// the wire type Tw, then at lse_off the float32 LSE [T, Hn] (its bits travel as wire elements).
+// Both blocks start on 16 bytes. `1 << lanes_log2` threads per row, VEC elements a step. The LSE
+// is written by the row's first thread: a NaN becomes -inf with nan_empty (vLLM), and MASK = 1
+// applies the empty-shard rule. V is copied as it is (the combine never uses an empty row's V).
+template <typename Tin, typename Tw, int VEC, int MASK>
+__global__ void __launch_bounds__(ZK_BLOCK_cp_a2a_pack_kernel) cp_a2a_pack_kernel(
+    const Tin* __restrict__ v, i64 v_st, i64 v_sh, const float* __restrict__ s, i64 s_st, i64 s_sh,
+    unsigned char* __restrict__ send, i64 chunk, i64 lse_off, i64 T, i64 H, i64 Hn, i64 D,
+    i64 lanes_log2, i64 nan_empty, const void* seq_lens, i64 sl_is64, const void* qsl, i64 q_is64,
+    i64 batch) {
+  const i64 rows = T * H;
+  const i64 g = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+  const i64 row = g >> lanes_log2;
+  const i64 lanes = (i64)1 << lanes_log2;
+  const i64 col = g & (lanes - 1);
+  if (row >= rows) return;
+  i64 t, h;
+  split_row(row, H, rows, t, h);
+  const i64 j = (unsigned)h / (unsigned)Hn;  // H < 2^31
+  const i64 r = t * Hn + (h - j * Hn);       // the row within the peer's chunk
+  unsigned char* base = send + j * chunk;
+  Tw* dst = reinterpret_cast<Tw*>(base) + r * D;
+  const Tin* src = v + t * v_st + h * v_sh;
+  for (i64 d = col * VEC; d < D; d += lanes * VEC) {
+    const Pack<Tin, VEC> x = load_pack<Tin, VEC, true>(src + d);
+    float f[VEC];
+#pragma unroll
+    for (int q = 0; q < VEC; ++q) f[q] = to_float(x.v[q]);
+    store_pack<Tw, VEC>(dst + d, convert_pack<Tw, VEC>(f, 1.f));
+  }
+  if (col == 0) {
+    float x = s[t * s_st + h * s_sh];
+    if (nan_empty && isnan(x)) x = neg_inf();
+    if (MASK && empty_shard_row(t, seq_lens, (int)sl_is64, qsl, (int)q_is64, batch)) x = neg_inf();
+    reinterpret_cast<float*>(base + lse_off)[r] = x;
   }
 }

@@ -3,7 +3,9 @@
 Inputs on cuda:1 while cuda:0 is current (and the reverse): the kernel runs on that device's
 current torch stream, results equal the reference, the other device is left alone, and the
 current device is unchanged. Also: mixed devices are rejected, two threads drive two GPUs from
-a cold cache, and a CUDA graph captured on cuda:1 replays.
+a cold cache, a CUDA graph captured on cuda:1 replays, and ``cp_merge`` with its adapters runs
+every case of ``tests/cp_cases.py`` in an NCCL group of two (all three modes, the send buffer,
+CUDA graphs of the all-gather, pipelined and all-to-all combines captured and replayed).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import pytest
 import torch
 from batches import check_empty_rows, empty_rows, garbage_state, make_batch
 from conftest import assert_close, f64
+from cp_cases import nccl_run
 from states import NAN, make_states
 
 import zerokv
@@ -186,3 +189,9 @@ def test_cuda_graph_captured_on_the_second_gpu_replays():
     ref_out, ref_lse = reference.merge_state(*(f64(x) for x in fresh))
     assert_close(out, ref_out, torch.bfloat16)
     assert_close(lse, ref_lse, torch.float32)
+
+
+def test_cp_merge_nccl_two_gpus(tmp_path):
+    """Two processes, one GPU each, in an NCCL group: every cp_merge case, failures of both
+    ranks gathered and asserted together."""
+    nccl_run(tmp_path, 2)

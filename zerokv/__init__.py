@@ -7,7 +7,7 @@ compiled at run time by NVRTC through CuPy and receive torch (or any DLPack) ten
 
 import contextlib
 
-from .cp_merge import cp_merge
+from .cp_merge import cp_merge, cp_send_buffer
 from .empty_rows import fixup_zero_kv_rows, mask_empty_context
 from .merge import merge_state, merge_states
 from .plan import ContextChunkPlan, plan_context_chunks
@@ -19,6 +19,7 @@ with contextlib.suppress(ImportError):  # torch.ops.zerokv.* when torch is insta
 __all__ = [
     "ContextChunkPlan",
     "cp_merge",
+    "cp_send_buffer",
     "fixup_zero_kv_rows",
     "mask_empty_context",
     "merge_state",

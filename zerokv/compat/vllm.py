@@ -145,4 +145,4 @@ def _split_heads(output: Any, lse: Any) -> Any:
     return output.reshape(T, H, width // H)  # splitting one axis: always a view, never a copy
 
 
-from .vllm_dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs  # noqa: E402,F401
+from .vllm_dcp import cp_lse_ag_out_ar, cp_lse_ag_out_rs, dcp_a2a_lse_reduce  # noqa: E402,F401

@@ -279,6 +279,27 @@ CP_FINALIZE = Kernel(
     params=_params("ptr src, ptr out, i64 o_st, i64 o_sh, i64 T, i64 Hn, i64 D, i64 lanes, ptr out_scale"),
 )
 
+# The all-to-all combine's pack (kernels_cu/cp_merge.cu): this rank's V and LSE into one chunk per
+# peer (input dtype, wire dtype, vector width of the input, 1 = with the empty-shard mask). The
+# merge of the received chunks is merge_states' kernel.
+CP_A2A_PACK = Kernel(
+    stem="cp_merge",
+    name="cp_a2a_pack_kernel",
+    instances=tuple(
+        (ci, _dtypes.ctype(w), v, m)
+        for ci, i in _V
+        for w in _dtypes.V_IN
+        for v in (1, vec(i))
+        for m in (0, 1)
+    ),
+    block=256,
+    params=_params(
+        "ptr v, i64 v_st, i64 v_sh, ptr s, i64 s_st, i64 s_sh, ptr send, i64 chunk, i64 lse_off,"
+        " i64 T, i64 H, i64 Hn, i64 D, i64 lanes_log2, i64 nan_empty,"
+        " ptr seq_lens, i64 sl_is64, ptr qsl, i64 q_is64, i64 batch"
+    ),
+)
+
 KERNELS: tuple[Kernel, ...] = (
     MERGE_STATE,
     MERGE_STATE_FLAT,
@@ -290,6 +311,7 @@ KERNELS: tuple[Kernel, ...] = (
     CP_PACK_LSE,
     CP_COMBINE,
     CP_FINALIZE,
+    CP_A2A_PACK,
 )
 
 
