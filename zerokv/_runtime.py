@@ -15,6 +15,7 @@ This module imports none of the layers above it (launch plans, ops).
 from __future__ import annotations
 
 import ctypes
+import os
 import re
 import sys
 import threading
@@ -22,7 +23,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import _cache, _kernels
+from . import _cache, _kernels, _probe
 from ._kernels import Kernel
 
 # Options shared by the run-time (CuPy) and the offline (cuda-bindings) compiles. CuPy adds
@@ -86,8 +87,19 @@ def function(kernel: Kernel, expr: str, device: int) -> Loaded:
         with _lock:
             fn = _functions.get(key)
             if fn is None:
-                fn = _functions[key] = _build(kernel_source(kernel), expr, device)
+                fn = _functions[key] = _load_prebuilt(kernel, expr, device) or _build(kernel_source(kernel), expr, device)
     return fn
+
+
+def _load_prebuilt(kernel: Kernel, expr: str, device: int) -> Loaded | None:
+    """The binary ``python -m zerokv compile --out DIR`` built, when ZEROKV_KERNEL_DIR names DIR."""
+    if kernel.code is not None or not os.environ.get("ZEROKV_KERNEL_DIR"):
+        return None
+    from . import _prebuilt
+
+    check_device(device)
+    found = _prebuilt.load(kernel.stem, source(kernel.stem), expr, device, capability(device))
+    return None if found is None else Loaded(*found)
 
 
 def loaded_count() -> int:
@@ -113,6 +125,9 @@ def clear_functions() -> None:
     which forgets the launch plans holding their handles first."""
     with _lock:
         _functions.clear()
+    from . import _prebuilt
+
+    _prebuilt.forget()  # the modules loaded from ZEROKV_KERNEL_DIR
 
 
 # --- devices and streams ----------------------------------------------------------------------
@@ -121,6 +136,7 @@ MIN_CAPABILITY = (8, 0)
 
 
 def import_cupy() -> Any:
+    _probe.check_single_cupy()  # cupy-cuda12x and cupy-cuda13x both installed: a clear error
     _cache.check_cupy_cache_dir()  # a cache directory that cannot be created: a clear error
     try:
         import cupy
