@@ -8,7 +8,7 @@ compiled at run time by NVRTC through CuPy and receive torch (or any DLPack) ten
 import contextlib
 import sys
 
-from ._probe import can_run
+from .core.probe import can_run
 from .cp_merge import cp_merge
 from .empty_rows import fixup_zero_kv_rows, mask_empty_context
 from .merge import merge_state, merge_states

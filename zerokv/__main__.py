@@ -43,12 +43,22 @@ def parser() -> argparse.ArgumentParser:
         "ZEROKV_KERNEL_DIR=DIR loads them on a GPU of that arch with no NVRTC work.",
     )
     comp.add_argument("--arch", default=DEFAULT_ARCH, help=ARCH_HELP)
-    comp.add_argument("--list-archs", action="store_true", help="print the arch names this NVRTC accepts, and exit")
-    comp.add_argument("--dtypes", help=f"comma-separated element types to build for (default: all of {DTYPE_NAMES})")
+    comp.add_argument(
+        "--list-archs", action="store_true", help="print the arch names this NVRTC accepts, and exit"
+    )
+    comp.add_argument(
+        "--dtypes", help=f"comma-separated element types to build for (default: all of {DTYPE_NAMES})"
+    )
     comp.add_argument("--ops", help=f"comma-separated ops to build for (default: all of {OPS_NAMES})")
-    comp.add_argument("--out", type=Path, help="a directory to write the binaries into (for ZEROKV_KERNEL_DIR)")
-    comp.add_argument("--verbose", "-v", action="store_true", help="every instantiation, and NVRTC's log on failure")
-    comp.add_argument("--no-cache", action="store_true", help="compile again even when the cache has the result")
+    comp.add_argument(
+        "--out", type=Path, help="a directory to write the binaries into (for ZEROKV_KERNEL_DIR)"
+    )
+    comp.add_argument(
+        "--verbose", "-v", action="store_true", help="every instantiation, and NVRTC's log on failure"
+    )
+    comp.add_argument(
+        "--no-cache", action="store_true", help="compile again even when the cache has the result"
+    )
     sub.add_parser("check", help="the self-check (the default)")
     return p
 
@@ -71,7 +81,7 @@ def _split(text: str | None) -> list[str] | None:
 
 
 def compile_command(args: argparse.Namespace) -> int:
-    from . import _offline
+    from .core import offline as _offline
 
     archs = _split(args.arch) or []
     try:  # every name first, before anything is compiled
@@ -107,7 +117,9 @@ def compile_command(args: argparse.Namespace) -> int:
             f"{arch}: {total} instantiations compiled by NVRTC {major}.{minor} ({cached} from the cache), {took:.2f} s"
         )
     if failures:
-        print(f"FAILED: {failures} instantiations" + ("" if args.verbose else " (--verbose shows NVRTC's log)"))
+        print(
+            f"FAILED: {failures} instantiations" + ("" if args.verbose else " (--verbose shows NVRTC's log)")
+        )
         return 1
     if args.out is not None:
         print(f"wrote {args.out}: set ZEROKV_KERNEL_DIR={args.out} where zerokv runs")

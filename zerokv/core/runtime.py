@@ -23,8 +23,10 @@ from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import _cache, _kernels, _probe
-from ._kernels import Kernel
+from . import disk_cache as _cache
+from . import kernels as _kernels
+from . import probe as _probe
+from .kernels import Kernel
 
 # Options shared by the run-time (CuPy) and the offline (cuda-bindings) compiles. CuPy adds
 # -arch for the device and -ftz=true itself.
@@ -35,7 +37,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 def kernel_dir() -> Path:
     """``kernels_cu`` inside an installed wheel, or beside the package in a source tree."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent
     for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
         if (candidate / "common.cuh").is_file():
             return candidate
@@ -87,7 +89,9 @@ def function(kernel: Kernel, expr: str, device: int) -> Loaded:
         with _lock:
             fn = _functions.get(key)
             if fn is None:
-                fn = _functions[key] = _load_prebuilt(kernel, expr, device) or _build(kernel_source(kernel), expr, device)
+                fn = _functions[key] = _load_prebuilt(kernel, expr, device) or _build(
+                    kernel_source(kernel), expr, device
+                )
     return fn
 
 
@@ -95,7 +99,7 @@ def _load_prebuilt(kernel: Kernel, expr: str, device: int) -> Loaded | None:
     """The binary ``python -m zerokv compile --out DIR`` built, when ZEROKV_KERNEL_DIR names DIR."""
     if kernel.code is not None or not os.environ.get("ZEROKV_KERNEL_DIR"):
         return None
-    from . import _prebuilt
+    from . import prebuilt as _prebuilt
 
     check_device(device)
     found = _prebuilt.load(kernel.stem, source(kernel.stem), expr, device, capability(device))
@@ -125,7 +129,7 @@ def clear_functions() -> None:
     which forgets the launch plans holding their handles first."""
     with _lock:
         _functions.clear()
-    from . import _prebuilt
+    from . import prebuilt as _prebuilt
 
     _prebuilt.forget()  # the modules loaded from ZEROKV_KERNEL_DIR
 

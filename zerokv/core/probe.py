@@ -59,7 +59,10 @@ def can_run(device: Any = None) -> tuple[bool, str]:
     try:
         return _can_run(device)
     except Exception as e:  # a probe never raises
-        return False, f"zerokv cannot tell whether it can run here ({type(e).__name__}: {' '.join(str(e).split())})"
+        return (
+            False,
+            f"zerokv cannot tell whether it can run here ({type(e).__name__}: {' '.join(str(e).split())})",
+        )
 
 
 def _can_run(device: Any) -> tuple[bool, str]:
@@ -67,8 +70,11 @@ def _can_run(device: Any) -> tuple[bool, str]:
     if len(packages) > 1:
         return False, two_cupy_message()
     if importlib.util.find_spec("cupy") is None:
-        return False, "CuPy is not installed: pip install 'zerokv[cuda13]' (CUDA 13 driver) or 'zerokv[cuda12]'"
-    from . import _runtime
+        return (
+            False,
+            "CuPy is not installed: pip install 'zerokv[cuda13]' (CUDA 13 driver) or 'zerokv[cuda12]'",
+        )
+    from . import runtime as _runtime
 
     try:
         cupy = _runtime.import_cupy()
@@ -98,7 +104,10 @@ def _can_run(device: Any) -> tuple[bool, str]:
 
         nv = nvrtc.getVersion()
     except Exception as e:
-        return False, f"NVRTC cannot be loaded ({' '.join(str(e).split())}): pip install the extra of your CUDA major again"
+        return (
+            False,
+            f"NVRTC cannot be loaded ({' '.join(str(e).split())}): pip install the extra of your CUDA major again",
+        )
     return True, f"cuda:{index} ({name}, sm_{major}{minor}, NVRTC {nv[0]}.{nv[1]}): zerokv can launch here"
 
 

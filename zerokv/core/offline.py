@@ -19,7 +19,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _cache, _kernels, _prebuilt, _runtime
+from . import disk_cache as _cache
+from . import kernels as _kernels
+from . import prebuilt as _prebuilt
+from . import runtime as _runtime
 
 MIN_ARCH = 80
 # Archs CI compiles for: A100, A10/L4/RTX 30, L40/RTX 40, H100/H200, B200, RTX 50.
@@ -242,13 +245,17 @@ def compile_stem(
     ]
 
 
-def _compile_or_raise(code: str, filename: str, exprs: list[str], arch: str, stem: str) -> tuple[bytes, list[str]]:
+def _compile_or_raise(
+    code: str, filename: str, exprs: list[str], arch: str, stem: str
+) -> tuple[bytes, list[str]]:
     result = _compile(code, filename, exprs, arch)
     if not isinstance(result, str):
         return result
     common = _compile(code, filename, [], arch)  # no instantiation: an error every one shares
     if isinstance(common, str):
-        raise CompileError(stem, arch, [(f"every instantiation ({len(exprs)})", _first_error(common))], result)
+        raise CompileError(
+            stem, arch, [(f"every instantiation ({len(exprs)})", _first_error(common))], result
+        )
     failing = []
     for e in exprs:  # alone, each instantiation shows whether it is one that fails
         alone = _compile(code, filename, [e], arch)

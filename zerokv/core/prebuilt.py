@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from . import _cache
+from . import disk_cache as _cache
 
 ENV = "ZEROKV_KERNEL_DIR"
 FORMAT = 1
@@ -145,7 +145,8 @@ def _read(directory: Path, stem: str, arch: str, code: str, options: list[str]) 
 
 def _module(directory: Path, stem: str, code: str, device: int, capability: tuple[int, int]) -> Any:
     """(loaded CuPy Module, expression -> lowered name) of ``stem`` on ``device``, or None."""
-    from . import _offline, _runtime
+    from . import offline as _offline
+    from . import runtime as _runtime
 
     key = (str(directory), stem, device)
     if key in _modules:
@@ -161,7 +162,11 @@ def _module(directory: Path, stem: str, code: str, device: int, capability: tupl
                 module = cupy.cuda.function.Module()
                 module.load(entry["cubin"])  # cuModuleLoadData: no NVRTC
         except Exception as e:
-            _warn(directory, f"load:{stem}-{arch}", f"the driver refused {stem}-{arch}.cubin ({e}); compiling instead")
+            _warn(
+                directory,
+                f"load:{stem}-{arch}",
+                f"the driver refused {stem}-{arch}.cubin ({e}); compiling instead",
+            )
             continue
         found = (module, entry["names"])
         break
