@@ -21,7 +21,7 @@ DEFAULT_ARCH = "sm_90"
 ARCH_HELP = (
     "target arch(s), comma-separated (default: %(default)s). Accepted with NVRTC 13: sm_80, sm_86, "
     "sm_87, sm_88, sm_89, sm_90, sm_90a, sm_100, sm_100a, sm_100f, sm_103, sm_103a, sm_103f, "
-    "sm_110, sm_110a, sm_110f, sm_120, sm_120a, sm_120f, sm_121, sm_121a, sm_121f (NVRTC 12 "
+    "sm_107, sm_107a, sm_107f, sm_110, sm_110a, sm_110f, sm_120, sm_120a, sm_120f, sm_121, sm_121a, sm_121f (NVRTC 12 "
     "accepts its own set); --list-archs prints the names the NVRTC installed here accepts"
 )
 OPS_NAMES = "merge_state, merge_states, fixup_zero_kv_rows, mask_empty_context, cp_merge"
@@ -93,7 +93,8 @@ def compile_command(args: argparse.Namespace) -> int:
         exprs = _selection(_split(args.dtypes), _split(args.ops))
         major, minor = _offline.nvrtc_version()
     except (_offline.ArchError, ImportError, TypeError, ValueError) as e:
-        print(f"python -m zerokv compile: {e}", file=sys.stderr)
+        message = str(e).replace("precompile: dtypes:", "--dtypes:").replace("precompile: ops:", "--ops:")
+        print(f"python -m zerokv compile: {message}", file=sys.stderr)
         return 2
     failures = 0
     for arch in archs:

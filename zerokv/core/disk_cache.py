@@ -72,6 +72,7 @@ def write_atomic(path: Path, data: bytes) -> None:
     old file or the new one, never a part; concurrent writers of one name are safe. OSError as is."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
     try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide an image's kernels from another user
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
