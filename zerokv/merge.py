@@ -467,7 +467,12 @@ class _MergeTwoPlan(_MergePlan):
                     return None
             else:
                 pl, stl, end_l = 0, (0, 0), 0
-        except (AttributeError, TypeError, ValueError):  # not torch tensors, or not 3-D / 2-D
+        except (
+            AttributeError,
+            TypeError,
+            ValueError,
+            RuntimeError,
+        ):  # not torch tensors, not 3-D / 2-D, sparse
             return None
         # 32-bit index math when every tensor's span in elements (which bounds any element offset
         # the kernel forms in it) and the thread index fit
@@ -779,7 +784,7 @@ class _MergeNPlan(_MergePlan):
                     return None
             else:
                 pl, stl = 0, (0, 0)
-        except (AttributeError, TypeError, ValueError):
+        except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a sparse tensor
             return None
         # 32-bit index math by elements, as on the validating path
         if (

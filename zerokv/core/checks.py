@@ -39,7 +39,7 @@ def shape(t: Tensor, arg: str, expected: tuple[int, ...], names: str) -> None:
 
 def unit_last_stride(t: Tensor, arg: str) -> None:
     """V tensors need contiguous head_dim; token and head strides are free."""
-    if t.shape[-1] > 1 and t.strides[-1] != 1:
+    if t.shape[-1] > 1 and t.strides[-1] != 1 and 0 not in t.shape:  # zero-size: no element, a no-op
         raise ValueError(
             f"{arg}: the last (head_dim) dimension must have stride 1, got strides {tuple(t.strides)}"
         )
@@ -338,7 +338,10 @@ def writable(t: Tensor, arg: str) -> None:
 
 def _no_shared_elements(t: Tensor, arg: str) -> None:
     """Each element of an output at its own address: no stride 0 over a dimension longer than
-    one, and (conservatively) no dimension stepping inside the span of the finer ones."""
+    one, and (conservatively) no dimension stepping inside the span of the finer ones. A
+    zero-size output has no element (numpy 2 gives it strides of 0): nothing to check."""
+    if 0 in t.shape:
+        return
     for d, (n, s) in enumerate(zip(t.shape, t.strides, strict=True)):
         if n > 1 and s == 0:
             raise ValueError(

@@ -26,6 +26,38 @@ def read(x: Any) -> tuple:
     return t.ptr, t.shape, t.strides
 
 
+def _kinds_mixed(objs: tuple, devices: set) -> bool:
+    """Whether torch tensors sit beside another producer's tensors in a call on a GPU."""
+    if not any(d >= 0 for d in devices):
+        return False
+    kinds = {type(x) is torch_tensor_type() for x in objs if x is not None}
+    return len(kinds) > 1
+
+
+def one_library_on_gpu(records: dict[str, Tensor | None], shown: dict[str, str]) -> None:
+    """On a GPU every tensor of a call comes from one library: a call launches on the current
+    stream of its tensors' library (torch's or CuPy's), so torch tensors beside CuPy arrays
+    would be read on a stream their producer does not order. TypeError naming two of them. (On
+    the CPU any mix works: zerokv allocates outputs like the call's first tensor.)"""
+    torch_arg = other_arg = None
+    on_gpu = False
+    for name, t in records.items():
+        if t is None:
+            continue
+        on_gpu = on_gpu or t.device >= 0
+        if t.is_torch:
+            torch_arg = torch_arg or name
+        else:
+            other_arg = other_arg or name
+    if on_gpu and torch_arg and other_arg:
+        a, b = shown[torch_arg], shown[other_arg]
+        kind = type(records[other_arg].obj).__module__.split(".")[0]
+        raise TypeError(
+            f"{a} is a torch tensor but {b} is a {kind} array; on a GPU pass every tensor of a call "
+            "from one library (torch.as_tensor / cupy.asarray convert zero-copy)"
+        )
+
+
 class Call:
     """One call's tensors as facts. ``objs``: the caller's objects (``None`` allowed);
     ``scalars``: the call's other signature parts (base, flags). ``device``: the first
@@ -54,10 +86,11 @@ class Call:
             self.dtypes = [None if x is None else names[x.dtype] for x in objs]
             devices = {x.get_device() for x in objs if x is not None}
             self.is_torch = True
-        except (AttributeError, KeyError, TypeError):  # any other producer, or not a tensor
-            devices = self._read_any(objs)
+        except (AttributeError, KeyError, TypeError, RuntimeError):  # any other producer, not a
+            devices = self._read_any(objs)  # tensor, or a sparse torch tensor (no data pointer)
         self.widest = None  # set by disjoint_outputs
-        self.mixed = len(devices) > 1
+        # several devices, or torch beside another producer on a GPU: the validation raises
+        self.mixed = len(devices) > 1 or (not self.is_torch and _kinds_mixed(objs, devices))
         self.device = min(devices) if devices else -1
 
     def _read_any(self, objs: tuple) -> set:
@@ -95,7 +128,9 @@ class Call:
         is not a tensor. Arguments past the call's objects are None."""
         shown = shown or names
         objs = self.objs + (None,) * (len(names) - len(self.objs))
-        return {n: (None if x is None else view(x, s)) for n, s, x in zip(names, shown, objs, strict=True)}
+        records = {n: (None if x is None else view(x, s)) for n, s, x in zip(names, shown, objs, strict=True)}
+        one_library_on_gpu(records, dict(zip(names, shown, strict=True)))
+        return records
 
     def stream(self) -> int:
         """The producer's current stream on the call's device."""
