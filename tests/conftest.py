@@ -84,6 +84,7 @@ def _temporary_caches() -> str:
         ("TRITON_CACHE_DIR", "triton"),
         ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
         ("MPLCONFIGDIR", "matplotlib"),
+        ("RUSTUP_HOME", "rustup"),  # the wheel build's tools probe rustup, which writes its settings
     ):
         os.environ.setdefault(var, os.path.join(root, sub))
     compiler = sys.modules.get("cupy.cuda.compiler")  # CuPy imported already: point it there too

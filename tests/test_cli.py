@@ -93,11 +93,36 @@ def test_bad_arch_is_refused_before_compiling(arch, message, capsys, monkeypatch
     assert "Traceback" not in err
 
 
-def test_missing_cuda_bindings_gives_the_install_command(capsys, monkeypatch):
+def _hide_cuda_bindings(monkeypatch):
     import cuda.bindings
 
     monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)  # `import` now raises ImportError
     monkeypatch.delattr(cuda.bindings, "nvrtc", raising=False)
+
+
+def test_without_cuda_bindings_cupys_nvrtc_compiles_the_same(cache_dir, monkeypatch):
+    exprs = _kernels.instantiations()["empty_rows"][:2]
+    with_bindings = _offline.compile_stem("empty_rows", "sm_90", exprs=exprs, cache=False)
+    _hide_cuda_bindings(monkeypatch)
+    from zerokv.core.cupy_nvrtc import CupyNvrtc
+
+    assert isinstance(_offline.nvrtc(), CupyNvrtc)
+    assert _offline.nvrtc_version() == tuple(
+        int(v) for v in __import__("cupy_backends.cuda.libs.nvrtc", fromlist=["x"]).getVersion()
+    )
+    through_cupy = _offline.compile_stem("empty_rows", "sm_90", exprs=exprs, cache=False)
+    assert [r.lowered_name for r in through_cupy] == [r.lowered_name for r in with_bindings]
+    assert "sm_90a" in _offline.accepted_archs()
+    with pytest.raises(_offline.CompileError, match="zerokv_not_a_type"):
+        _offline._compile_or_raise("zerokv_not_a_type x;", "x.cu", [], "sm_90", "x")
+
+
+def test_missing_cuda_bindings_gives_the_install_command(capsys, monkeypatch):
+    _hide_cuda_bindings(monkeypatch)
+    import cupy_backends.cuda.libs
+
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", None)  # nor CuPy's NVRTC
+    monkeypatch.delattr(cupy_backends.cuda.libs, "nvrtc", raising=False)
     with pytest.raises(ImportError, match="pip install 'cuda-bindings"):
         _offline.nvrtc()
     assert main(["compile", "--arch", "sm_90"]) == 2

@@ -95,11 +95,18 @@ def _installed(dist: str) -> bool:
 
 
 def nvrtc() -> Any:
-    """cuda-bindings' NVRTC module; ImportError with the install command when it is missing."""
+    """cuda-bindings' NVRTC module, else the same calls over CuPy's NVRTC bindings; ImportError
+    with the install command when neither is installed."""
     try:
         from cuda.bindings import nvrtc as module
     except ImportError as e:
-        raise ImportError(f"compiling without a GPU needs cuda-bindings: {install_hint()}") from e
+        try:
+            from cupy_backends.cuda.libs import nvrtc as cupy_module
+        except ImportError:
+            raise ImportError(f"compiling without a GPU needs cuda-bindings: {install_hint()}") from e
+        from .cupy_nvrtc import CupyNvrtc
+
+        return CupyNvrtc(cupy_module)
     return module
 
 
@@ -171,7 +178,7 @@ def options(arch: str) -> list[str]:
 def _log(prog: Any) -> str:
     nv = nvrtc()
     _, size = nv.nvrtcGetProgramLogSize(prog)
-    buf = b" " * size
+    buf = bytearray(size)
     nv.nvrtcGetProgramLog(prog, buf)
     return buf.decode(errors="replace").rstrip("\x00 \n")
 
@@ -188,8 +195,9 @@ def _compile(code: str, filename: str, exprs: list[str], arch: str) -> tuple[byt
         if res != nv.nvrtcResult.NVRTC_SUCCESS:
             return _log(prog) or str(res)
         (size,) = _check(nv.nvrtcGetCUBINSize(prog), "cubin size")
-        cubin = b" " * size
-        _check(nv.nvrtcGetCUBIN(prog, cubin), "cubin")
+        buf = bytearray(size)
+        _check(nv.nvrtcGetCUBIN(prog, buf), "cubin")
+        cubin = bytes(buf)
         lowered = [
             _check(nv.nvrtcGetLoweredName(prog, e.encode()), f"lowered name of {e}")[0].decode()
             for e in exprs
