@@ -61,7 +61,9 @@ def test_the_readme_opens_with_the_two_commands_ci_runs():
     two = _commands(first_bash)
     assert len(two) == 2
     assert two[0].endswith("python -m zerokv") and two[1].endswith("python -m pytest -q")
-    assert "--index-url https://download.pytorch.org/whl/cpu" in two[1]  # PyTorch's CPU build, named
+    assert (
+        "torch==2.13.0+cpu --extra-index-url https://download.pytorch.org/whl/cpu" in two[1]
+    )  # the CPU build
     ci = _commands((ROOT / ".ci" / "run").read_text())
     for command in two:
         assert command in ci, f".ci/run does not run the README's command: {command}"

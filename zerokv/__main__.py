@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return compile_command(args)
     import contextlib
 
-    with contextlib.suppress(ImportError):  # torch.ops.zerokv.*, which `python -m` skipped
+    with contextlib.suppress(ImportError):  # torch.ops.zerokv.*, which `python -m zerokv` left out
         from . import torch_ops  # noqa: F401
     from . import selfcheck
 
