@@ -467,12 +467,7 @@ class _MergeTwoPlan(_MergePlan):
                     return None
             else:
                 pl, stl, end_l = 0, (0, 0), 0
-        except (
-            AttributeError,
-            TypeError,
-            ValueError,
-            RuntimeError,
-        ):  # not torch tensors, not 3-D / 2-D, sparse
+        except (AttributeError, TypeError, ValueError, RuntimeError):  # not torch, not 3-D / 2-D, sparse
             return None
         # 32-bit index math when every tensor's span in elements (which bounds any element offset
         # the kernel forms in it) and the thread index fit
