@@ -252,3 +252,72 @@ def test_a_fresh_process_loads_the_directory_with_no_compile(tmp_path, mode):
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["correct"] and got["from_dir"] >= 1 and got["zerokv_warnings"] == [], got
     assert (got["nvrtc_compiles"], got["modules_built"]) == (0, 0), got
+
+
+# --- the run-time hook, with a stand-in for the driver (CPU) ----------------------------------
+
+
+class _FakeModule:
+    loads: list[bytes] = []
+
+    def load(self, cubin):
+        _FakeModule.loads.append(cubin)
+
+    def get_function(self, name):
+        import types
+
+        return types.SimpleNamespace(ptr=0x1000 + len(name))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch, built):
+    """runtime.function() on a pretend sm_90 device: module loads recorded, compiles refused."""
+    import contextlib
+    import types
+
+    fake = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(
+            function=types.SimpleNamespace(Module=_FakeModule), Device=lambda d: contextlib.nullcontext()
+        )
+    )
+    monkeypatch.setattr(_runtime, "import_cupy", lambda: fake)
+    monkeypatch.setattr(_runtime, "capability", lambda d: (9, 0))
+    monkeypatch.setattr(_runtime, "check_device", lambda d: None)
+    compiled = []
+    monkeypatch.setattr(
+        _runtime, "_build", lambda code, expr, dev: compiled.append(expr) or _runtime.Loaded(None, 7)
+    )
+    monkeypatch.setattr(_runtime, "_functions", {})
+    monkeypatch.setattr(_prebuilt, "_modules", {})
+    monkeypatch.setattr(_FakeModule, "loads", [])
+    monkeypatch.setenv(_prebuilt.ENV, str(built))
+    return compiled
+
+
+def test_the_runtime_serves_a_built_instantiation_from_the_directory(fake_gpu, built):
+    meta = json.loads((built / "empty_rows-sm_90.json").read_text())
+    before = _prebuilt.loaded
+    for expr in meta["expressions"]:
+        fn = _runtime.function(_kernels.EMPTY_ROWS, expr, 0)
+        assert fn.ptr == 0x1000 + len(meta["lowered"][meta["expressions"].index(expr)])
+    assert fake_gpu == []  # nothing compiled
+    assert _FakeModule.loads == [(built / "empty_rows-sm_90.cubin").read_bytes()]  # one module load
+    assert _prebuilt.loaded - before == len(meta["expressions"])
+
+
+def test_an_instantiation_not_built_compiles_with_one_warning(fake_gpu, built):
+    meta = json.loads((built / "empty_rows-sm_90.json").read_text())
+    missing = [e for e in _kernels.EMPTY_ROWS.expressions if e not in meta["expressions"]][:2]
+    with pytest.warns(RuntimeWarning, match="was not built into it") as record:
+        for expr in missing:
+            assert _runtime.function(_kernels.EMPTY_ROWS, expr, 0).ptr == 7
+    assert fake_gpu == missing and len(record) == 1
+
+
+def test_another_arch_compiles_with_one_warning(fake_gpu, monkeypatch):
+    monkeypatch.setattr(_runtime, "capability", lambda d: (8, 6))
+    exprs = _kernels.EMPTY_ROWS.expressions[:2]
+    with pytest.warns(RuntimeWarning, match="no usable binaries of empty_rows for sm_86") as record:
+        for expr in exprs:
+            _runtime.function(_kernels.EMPTY_ROWS, expr, 0)
+    assert fake_gpu == exprs and len(record) == 1 and _FakeModule.loads == []
