@@ -5,6 +5,40 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+
+# --- caches: every cache a test (or a process it starts) fills is a temporary directory --------
+# Set at import, before any test imports CuPy (whose cache backend reads CUPY_CACHE_DIR once);
+# a variable the caller set is kept. The directory is removed when the session ends.
+def _temporary_caches() -> str:
+    import atexit
+    import os
+    import shutil
+    import sys
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="zerokv-tests-")
+    atexit.register(shutil.rmtree, root, True)
+    for var, sub in (
+        ("ZEROKV_CACHE_DIR", "zerokv"),
+        ("CUPY_CACHE_DIR", "cupy"),
+        ("XDG_CACHE_HOME", "xdg-cache"),
+        ("TRITON_CACHE_DIR", "triton"),
+        ("TORCHINDUCTOR_CACHE_DIR", "inductor"),
+        ("MPLCONFIGDIR", "matplotlib"),
+        ("RUSTUP_HOME", "rustup"),  # the wheel build's tools probe rustup, which writes its settings
+    ):
+        os.environ.setdefault(var, os.path.join(root, sub))
+    compiler = sys.modules.get("cupy.cuda.compiler")  # CuPy imported already: point it there too
+    if compiler is not None and hasattr(compiler, "_set_kernel_cache_backend"):
+        from cupy.cuda._compiler_cache import DiskKernelCacheBackend
+
+        compiler._set_kernel_cache_backend(DiskKernelCacheBackend(os.environ["CUPY_CACHE_DIR"]))
+    return root
+
+
+TEST_CACHE_ROOT = _temporary_caches()
+
+
 torch = pytest.importorskip("torch")
 
 

@@ -155,3 +155,86 @@ def test_a_kernel_compiles_and_runs_with_a_read_only_cupy_cache(monkeypatch, tmp
         launch = _launch.Launcher(probe, (7,), 0)
     launch(1, _device.cupy_stream(0), out.data.ptr)
     assert (out.get() == 7).all()
+
+
+# --- damaged, read-only and shared caches -----------------------------------------------------
+
+
+def test_a_corrupt_cupy_cache_entry_is_a_miss_with_one_warning(tmp_path):
+    """CuPy's own disk backend: a truncated entry and a foreign file are misses (CuPy checks each
+    entry's SHA-1), with one warning; the entry rewritten by the next compile is used again."""
+    from cupy.cuda import _compiler_cache
+
+    d = tmp_path / "cupy-cache"
+    backend = _compiler_cache.DiskKernelCacheBackend(str(d))
+    cache = _cache.TolerantCache(backend, str(d))
+    payload = os.urandom(256)
+    cache.save("good.cubin", payload, "source")
+    assert cache.load("good.cubin") == payload
+    (d / "truncated.cubin").write_bytes((d / "good.cubin").read_bytes()[:100])
+    (d / "foreign.cubin").write_bytes(b"not a CuPy cache entry at all")
+    with pytest.warns(RuntimeWarning, match="truncated, corrupt or unreadable") as record:
+        assert cache.load("truncated.cubin") is None
+        assert cache.load("foreign.cubin") is None
+    assert len(record) == 1
+    cache.save("truncated.cubin", payload, "source")  # what CuPy does after compiling it again
+    assert cache.load("truncated.cubin") == payload
+    assert cache.load("missing.cubin") is None  # a plain miss: no warning (none raised above)
+
+
+def test_two_processes_filling_one_cache_both_succeed(tmp_path):
+    """zerokv's cache and CuPy's disk backend, filled by two processes at once with the same
+    names: both succeed and every entry reads back whole (atomic renames)."""
+    import subprocess
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import os, sys
+        from zerokv.core import disk_cache
+        from cupy.cuda import _compiler_cache
+        cupy_cache = _compiler_cache.DiskKernelCacheBackend(sys.argv[1])
+        for i in range(300):
+            data = bytes([i % 251]) * (1000 + 37 * i)
+            assert disk_cache.store("kind", f"e{i}", data)
+            cupy_cache.save(f"e{i}.cubin", data, "src")
+            got = disk_cache.load("kind", f"e{i}")
+            assert got is not None and len(got) == len(data) and len(set(got)) == 1, i
+        """
+    )
+    env = dict(os.environ, ZEROKV_CACHE_DIR=str(tmp_path / "zerokv"))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-c", script, str(tmp_path / "cupy")]
+    procs = [subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    errors = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    from cupy.cuda import _compiler_cache
+
+    cupy_cache = _compiler_cache.DiskKernelCacheBackend(str(tmp_path / "cupy"))
+    for i in range(300):
+        data = bytes([i % 251]) * (1000 + 37 * i)
+        assert (tmp_path / "zerokv" / "kind" / f"e{i}").read_bytes() == data
+        assert cupy_cache.load(f"e{i}.cubin") == data
+    assert not [p for p in (tmp_path / "zerokv" / "kind").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_no_cupy_cache_directory_for_an_absent_cupy(tmp_path, monkeypatch):
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "kernels"))
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    monkeypatch.setattr(_cache.importlib.util, "find_spec", lambda name, *a: None)
+    _cache.check_cupy_cache_dir()
+    assert not (tmp_path / "kernels").exists()
+
+
+def test_write_atomic_leaves_the_old_file_when_a_write_fails(tmp_path, monkeypatch):
+    target = tmp_path / "entry"
+    _cache.write_atomic(target, b"old")
+
+    def fail(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(_cache.os, "replace", fail)
+    with pytest.raises(OSError, match="No space"):
+        _cache.write_atomic(target, b"new")
+    assert target.read_bytes() == b"old" and os.listdir(tmp_path) == ["entry"]

@@ -93,11 +93,36 @@ def test_bad_arch_is_refused_before_compiling(arch, message, capsys, monkeypatch
     assert "Traceback" not in err
 
 
-def test_missing_cuda_bindings_gives_the_install_command(capsys, monkeypatch):
+def _hide_cuda_bindings(monkeypatch):
     import cuda.bindings
 
     monkeypatch.setitem(sys.modules, "cuda.bindings.nvrtc", None)  # `import` now raises ImportError
     monkeypatch.delattr(cuda.bindings, "nvrtc", raising=False)
+
+
+def test_without_cuda_bindings_cupys_nvrtc_compiles_the_same(cache_dir, monkeypatch):
+    exprs = _kernels.instantiations()["empty_rows"][:2]
+    with_bindings = _offline.compile_stem("empty_rows", "sm_90", exprs=exprs, cache=False)
+    _hide_cuda_bindings(monkeypatch)
+    from zerokv.core.cupy_nvrtc import CupyNvrtc
+
+    assert isinstance(_offline.nvrtc(), CupyNvrtc)
+    assert _offline.nvrtc_version() == tuple(
+        int(v) for v in __import__("cupy_backends.cuda.libs.nvrtc", fromlist=["x"]).getVersion()
+    )
+    through_cupy = _offline.compile_stem("empty_rows", "sm_90", exprs=exprs, cache=False)
+    assert [r.lowered_name for r in through_cupy] == [r.lowered_name for r in with_bindings]
+    assert "sm_90a" in _offline.accepted_archs()
+    with pytest.raises(_offline.CompileError, match="zerokv_not_a_type"):
+        _offline._compile_or_raise("zerokv_not_a_type x;", "x.cu", [], "sm_90", "x")
+
+
+def test_missing_cuda_bindings_gives_the_install_command(capsys, monkeypatch):
+    _hide_cuda_bindings(monkeypatch)
+    import cupy_backends.cuda.libs
+
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", None)  # nor CuPy's NVRTC
+    monkeypatch.delattr(cupy_backends.cuda.libs, "nvrtc", raising=False)
     with pytest.raises(ImportError, match="pip install 'cuda-bindings"):
         _offline.nvrtc()
     assert main(["compile", "--arch", "sm_90"]) == 2
@@ -240,3 +265,146 @@ def test_selfcheck_warns_about_two_cupy_packages(monkeypatch):
     line, warnings = selfcheck.environment()
     assert "cupy-cuda12x 14.2.0" in line and "cupy-cuda13x 14.2.0" in line
     assert len(warnings) == 1 and "pip uninstall -y cupy-cuda12x cupy-cuda13x" in warnings[0]
+
+
+# --- the offline cache when damaged or read-only ----------------------------------------------
+
+
+def _one_stem(monkeypatch, n=1):
+    exprs = _kernels.instantiations()["empty_rows"][:n]
+    monkeypatch.setattr(_kernels, "instantiations", lambda: {"empty_rows": exprs})
+
+
+@pytest.mark.parametrize("part", ["json-truncated", "json-foreign", "cubin-truncated", "cubin-missing"])
+def test_a_damaged_offline_entry_is_rebuilt_with_one_warning(cache_dir, monkeypatch, part):
+    from zerokv.core import disk_cache as _cache
+
+    _one_stem(monkeypatch)
+    first = _offline.compile_stem("empty_rows", "sm_90")
+    (entry,) = [
+        p for p in (cache_dir / "offline").iterdir() if p.suffix == (".json" if "json" in part else ".cubin")
+    ]
+    if part == "json-truncated":
+        entry.write_bytes(entry.read_bytes()[:20])
+    elif part == "json-foreign":
+        entry.write_text('{"something": "else"}')
+    elif part == "cubin-truncated":
+        entry.write_bytes(entry.read_bytes()[:500])
+    else:
+        entry.unlink()
+    monkeypatch.setattr(_cache, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="rebuilding it") as record:
+        again = _offline.compile_stem("empty_rows", "sm_90")
+    assert len(record) == 1 and not again[0].cached
+    assert [r.lowered_name for r in again] == [r.lowered_name for r in first]
+    assert _offline.compile_stem("empty_rows", "sm_90")[0].cached  # the rebuilt entry serves again
+
+
+def test_a_read_only_offline_cache_is_read_and_warns_once_for_new_work(cache_dir, monkeypatch):
+    from zerokv.core import disk_cache as _cache
+
+    _one_stem(monkeypatch)
+    _offline.compile_stem("empty_rows", "sm_90")
+
+    def read_only(path, data):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(_cache, "write_atomic", read_only)
+    monkeypatch.setattr(_cache, "_warned", set())
+    assert _offline.compile_stem("empty_rows", "sm_90")[0].cached  # entries there: used, no warning
+    with pytest.warns(RuntimeWarning, match="cannot write its cache") as record:
+        assert not _offline.compile_stem("empty_rows", "sm_86")[0].cached
+        assert not _offline.compile_stem("empty_rows", "sm_89")[0].cached
+    assert len(record) == 1
+
+
+# --- honest commands --------------------------------------------------------------------------
+
+
+def _help(args) -> str:
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--help"])
+    assert info.value.code == 0
+    return info.value
+
+
+def test_compile_help_is_plain_text_and_lists_every_accepted_arch(capsys):
+    _help(["compile"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "``" not in text and ":func:" not in text
+    assert "default: sm_90" in text
+    for arch in _offline.accepted_archs():  # every name this NVRTC accepts is in the help
+        assert arch in text, arch
+    assert "--out" in text and "ZEROKV_KERNEL_DIR" in text and "--dtypes" in text and "--ops" in text
+    _help([])
+    top = capsys.readouterr().out
+    assert "``" not in top and "compile" in top
+
+
+def test_list_archs_prints_what_check_arch_accepts(capsys):
+    assert main(["compile", "--list-archs"]) == 0
+    names = capsys.readouterr().out.split()
+    assert "sm_90a" in names and "sm_80" in names and "sm_75" not in names
+    for name in names:
+        assert _offline.check_arch(name) == name
+    for name in ("sm_90f", "sm_80a"):  # variants NVRTC refuses are refused by name
+        with pytest.raises(_offline.ArchError, match="cannot compile for it"):
+            _offline.check_arch(name)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ops", "merge"], "--ops: 'merge' is not an op"),
+        (["--dtypes", "int8"], "--dtypes: 'int8' is not supported"),
+    ],
+)
+def test_bad_ops_or_dtypes_are_one_line(args, message, capsys, monkeypatch):
+    monkeypatch.setattr(_offline, "compile_stem", lambda *a, **k: pytest.fail("compiled"))
+    assert main(["compile", "--arch", "sm_90", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["compile", "--help"]])
+def test_version_and_help_import_neither_torch_nor_cupy(args):
+    res = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "zerokv", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, res.stderr
+    imported = {line.split("|")[-1].strip() for line in res.stderr.splitlines() if "|" in line}
+    assert "zerokv" in imported  # the report is real
+    heavy = {m for m in imported if m.split(".")[0] in ("torch", "cupy", "cupy_backends", "cuda")}
+    assert not heavy, sorted(heavy)[:5]
+
+
+def test_compile_out_with_a_selection(tmp_path, cache_dir, capsys):
+    out = tmp_path / "kernels"
+    assert (
+        main(
+            [
+                "compile",
+                "--arch",
+                "sm_80",
+                "--ops",
+                "mask_empty_context",
+                "--dtypes",
+                "float16",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert f"set ZEROKV_KERNEL_DIR={out}" in text
+    import json
+
+    meta = json.loads((out / "empty_rows-sm_80.json").read_text())
+    rules = {e.split("<")[1].rstrip(">").split(", ")[2] for e in meta["expressions"]}
+    assert rules == {str(_kernels.RULE_CONTEXT_SPAN_EMPTY)}
+    assert all(e.startswith(f"{_kernels.EMPTY_ROWS.name}<zk_half,") for e in meta["expressions"]), meta
+    assert sorted(p.name for p in out.iterdir()) == ["empty_rows-sm_80.cubin", "empty_rows-sm_80.json"]

@@ -215,3 +215,30 @@ def test_precompile_then_cuda_graph_capture_compiles_nothing(monkeypatch):
     ref_o, ref_l = reference.mask_empty_context(f64(v_b), f64(s_b), cu_np, cukv_np)
     assert_close(o2, ref_o, torch.bfloat16, "mask out")
     assert_close(l2, ref_l, torch.float32, "mask lse")
+
+
+@pytest.mark.parametrize("device", [None, 0, 1, "cuda", "cuda:0", torch.device("cuda:0")])
+def test_without_a_usable_gpu_every_device_gets_one_clear_error(monkeypatch, device):
+    import types
+
+    class NoDriver(RuntimeError):
+        pass
+
+    def count():
+        raise NoDriver("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+
+    def current():
+        raise AssertionError("asked the current device of a machine with no usable GPU")
+
+    rt = types.SimpleNamespace(getDeviceCount=count, getDevice=current, CUDARuntimeError=NoDriver)
+    monkeypatch.setattr(
+        _device, "import_cupy", lambda: types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=rt))
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(_compiler, "function", lambda *a: pytest.fail("compiled"))
+    with pytest.raises(RuntimeError) as info:
+        zerokv.precompile(dtypes=("bfloat16",), device=device)
+    assert str(info.value) == (
+        "precompile: no CUDA device can be used here (cudaErrorInsufficientDriver: CUDA driver version is "
+        "insufficient); zerokv.can_run() says why"
+    )

@@ -1,25 +1,57 @@
-"""``python -m zerokv``: the self-check. ``python -m zerokv compile --arch sm_80,sm_90``: build
-every kernel instantiation for the named archs through NVRTC (no GPU needed).
-``python -m zerokv --version``."""
+"""The command line of zerokv.
+
+  python -m zerokv                  the self-check (every op against the float64 reference)
+  python -m zerokv compile ...      build kernels through NVRTC for a named arch, no GPU needed;
+                                    with --out DIR, keep the binaries for ZEROKV_KERNEL_DIR=DIR
+  python -m zerokv --version
+
+--version and --help import neither torch nor CuPy.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from . import __version__
 
+DEFAULT_ARCH = "sm_90"
+ARCH_HELP = (
+    "target arch(s), comma-separated (default: %(default)s). Accepted with NVRTC 13: sm_80, sm_86, "
+    "sm_87, sm_88, sm_89, sm_90, sm_90a, sm_100, sm_100a, sm_100f, sm_103, sm_103a, sm_103f, "
+    "sm_107, sm_107a, sm_107f, sm_110, sm_110a, sm_110f, sm_120, sm_120a, sm_120f, sm_121, sm_121a, sm_121f (NVRTC 12 "
+    "accepts its own set); --list-archs prints the names the NVRTC installed here accepts"
+)
+OPS_NAMES = "merge_state, merge_states, fixup_zero_kv_rows, mask_empty_context, cp_merge"
+DTYPE_NAMES = "float16, bfloat16, float32, float8_e4m3fn"
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zerokv", description=__doc__)
-    parser.add_argument("--version", action="version", version=f"zerokv {__version__}")
-    sub = parser.add_subparsers(dest="command")
-    comp = sub.add_parser("compile", help="compile every kernel instantiation for an arch (no GPU needed)")
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m zerokv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--version", action="version", version=f"zerokv {__version__}")
+    sub = p.add_subparsers(dest="command")
+    comp = sub.add_parser(
+        "compile",
+        help="compile kernel instantiations for an arch through NVRTC (no GPU needed)",
+        description="Compile every kernel instantiation (or those of --ops and --dtypes) for each "
+        "arch through NVRTC, without a GPU. Results are cached in ZEROKV_CACHE_DIR (default "
+        "~/.cache/zerokv). With --out DIR the binaries are written to DIR: a process with "
+        "ZEROKV_KERNEL_DIR=DIR loads them on a GPU of that arch with no NVRTC work.",
+    )
+    comp.add_argument("--arch", default=DEFAULT_ARCH, help=ARCH_HELP)
     comp.add_argument(
-        "--arch",
-        default="sm_90",
-        help="target(s), comma-separated: sm_80, sm_86, sm_89, sm_90, sm_100, sm_120, ...",
+        "--list-archs", action="store_true", help="print the arch names this NVRTC accepts, and exit"
+    )
+    comp.add_argument(
+        "--dtypes", help=f"comma-separated element types to build for (default: all of {DTYPE_NAMES})"
+    )
+    comp.add_argument("--ops", help=f"comma-separated ops to build for (default: all of {OPS_NAMES})")
+    comp.add_argument(
+        "--out", type=Path, help="a directory to write the binaries into (for ZEROKV_KERNEL_DIR)"
     )
     comp.add_argument(
         "--verbose", "-v", action="store_true", help="every instantiation, and NVRTC's log on failure"
@@ -28,42 +60,57 @@ def main(argv: list[str] | None = None) -> int:
         "--no-cache", action="store_true", help="compile again even when the cache has the result"
     )
     sub.add_parser("check", help="the self-check (the default)")
-    args = parser.parse_args(argv)
+    return p
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     if args.command == "compile":
-        return compile_command(
-            [a.strip() for a in args.arch.split(",") if a.strip()], args.verbose, not args.no_cache
-        )
+        return compile_command(args)
+    import contextlib
+
+    with contextlib.suppress(ImportError):  # torch.ops.zerokv.*, which `python -m zerokv` left out
+        from . import torch_ops  # noqa: F401
     from . import selfcheck
 
     return selfcheck.main()
 
 
-def compile_command(archs: list[str], verbose: bool, cache: bool) -> int:
+def _split(text: str | None) -> list[str] | None:
+    return None if text is None else [t.strip() for t in text.split(",") if t.strip()]
+
+
+def compile_command(args: argparse.Namespace) -> int:
     from .core import offline as _offline
 
+    archs = _split(args.arch) or []
     try:  # every name first, before anything is compiled
+        if args.list_archs:
+            print(" ".join(_offline.accepted_archs()))
+            return 0
         for arch in archs or ["(none)"]:
             _offline.check_arch(arch)
+        exprs = _selection(_split(args.dtypes), _split(args.ops))
         major, minor = _offline.nvrtc_version()
-    except (_offline.ArchError, ImportError) as e:
-        print(f"python -m zerokv compile: {e}", file=sys.stderr)
+    except (_offline.ArchError, ImportError, TypeError, ValueError) as e:
+        message = str(e).replace("precompile: dtypes:", "--dtypes:").replace("precompile: ops:", "--ops:")
+        print(f"python -m zerokv compile: {message}", file=sys.stderr)
         return 2
     failures = 0
     for arch in archs:
         total, cached, start = 0, 0, time.perf_counter()
-        for stem, results in _offline.compile_arch(arch, cache=cache):
+        for stem, results in _offline.compile_arch(arch, cache=not args.no_cache, exprs=exprs, out=args.out):
             if isinstance(results, _offline.CompileError):
                 failures += len(results.failing)
                 print(results.summary())
-                if verbose:
+                if args.verbose:
                     print(results.log)
                 continue
             total += len(results)
             cached += sum(r.cached for r in results)
             how = "from the cache" if results[0].cached else f"{results[0].seconds:.2f} s"
             print(f"{arch:7s} {stem:12s} {len(results):4d} instantiations  {how}")
-            if verbose:
+            if args.verbose:
                 for r in results:
                     print(f"    {r.expression:60s} {r.lowered_name}")
         took = time.perf_counter() - start
@@ -71,9 +118,25 @@ def compile_command(archs: list[str], verbose: bool, cache: bool) -> int:
             f"{arch}: {total} instantiations compiled by NVRTC {major}.{minor} ({cached} from the cache), {took:.2f} s"
         )
     if failures:
-        print(f"FAILED: {failures} instantiations" + ("" if verbose else " (--verbose shows NVRTC's log)"))
+        print(
+            f"FAILED: {failures} instantiations" + ("" if args.verbose else " (--verbose shows NVRTC's log)")
+        )
         return 1
+    if args.out is not None:
+        print(f"wrote {args.out}: set ZEROKV_KERNEL_DIR={args.out} where zerokv runs")
     return 0
+
+
+def _selection(dtypes: list[str] | None, ops: list[str] | None) -> dict[str, list[str]] | None:
+    """stem -> name expressions for --dtypes / --ops (precompile's selection); None: all."""
+    if dtypes is None and ops is None:
+        return None
+    from .precompile import _dtype_names, _op_names, selection
+
+    chosen: dict[str, list[str]] = {}
+    for kernel, targs in selection(_dtype_names(dtypes), _op_names(ops)):
+        chosen.setdefault(kernel.stem, []).append(kernel.expr(*targs))
+    return chosen
 
 
 if __name__ == "__main__":

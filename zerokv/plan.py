@@ -153,6 +153,10 @@ def _positive(v: Any, arg: str) -> int:
 def _lengths(x: Any, arg: str) -> np.ndarray:
     """``[B]`` lengths as int64, every value checked before the cast: integers, 0..2^31 - 1."""
     if is_torch(x):
+        if x.layout is not sys.modules["torch"].strided:
+            raise TypeError(
+                f"{arg}: a sparse tensor ({x.layout}) is not supported; pass dense lengths (x.to_dense())"
+            )
         if x.device.type != "cpu":
             raise ValueError(f"{arg}: must be on the CPU (planning never syncs a device), got {x.device}")
         if x.is_floating_point() or x.is_complex() or x.dtype is sys.modules["torch"].bool:

@@ -137,12 +137,23 @@ def _op_names(ops: Iterable[str] | None) -> tuple[str, ...]:
     return names
 
 
-def _check_exists(index: int) -> None:
+def _device_count() -> int:
+    """How many CUDA devices CuPy sees; one clear RuntimeError when none can be used (no GPU,
+    no driver), whatever the ``device`` argument."""
     cupy = _device.import_cupy()
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as e:
-        raise RuntimeError(f"precompile: no CUDA device can be used here ({e})") from e
+        count, why = 0, f" ({e})"
+    else:
+        why = ""
+    if count == 0:
+        raise RuntimeError(f"precompile: no CUDA device can be used here{why}; zerokv.can_run() says why")
+    return count
+
+
+def _check_exists(index: int, count: int | None = None) -> None:
+    count = _device_count() if count is None else count
     if index >= count:
         raise ValueError(f"precompile: device: cuda:{index} does not exist ({count} CUDA devices)")
 
@@ -153,6 +164,7 @@ def _device_index(device: Any) -> int:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             return int(torch.cuda.current_device())
+        _device_count()  # no usable GPU: the same clear error as for a device given by number
         return int(_device.import_cupy().cuda.runtime.getDevice())
     if isinstance(device, bool):
         raise TypeError(f"precompile: device: {device!r} is not a device")

@@ -40,7 +40,7 @@ def shape(t: Tensor, arg: str, expected: tuple[int, ...], names: str) -> None:
 
 def unit_last_stride(t: Tensor, arg: str) -> None:
     """V tensors need contiguous head_dim; token and head strides are free."""
-    if t.shape[-1] > 1 and t.strides[-1] != 1:
+    if t.shape[-1] > 1 and t.strides[-1] != 1 and 0 not in t.shape:  # zero-size: no element, a no-op
         raise ValueError(
             f"{arg}: the last (head_dim) dimension must have stride 1, got strides {tuple(t.strides)}"
         )
@@ -56,6 +56,24 @@ def same_device(named: list[tuple[str, Tensor]]) -> int:
                 "all tensors of a call must be on the same device"
             )
     return first.device
+
+
+def one_library_on_gpu(named: list[tuple[str, Tensor | None]]) -> None:
+    """On a GPU every tensor of a call comes from one library: a call launches on the current
+    stream of its tensors' library (torch's or CuPy's), so torch tensors beside CuPy arrays
+    would be read on a stream their producer does not order. TypeError naming two of them. (On
+    the CPU any mix works: zerokv allocates outputs like the call's first tensor.)"""
+    present = [(arg, t) for arg, t in named if t is not None]
+    if not any(t.device >= 0 for _, t in present):
+        return
+    torch_arg = next((arg for arg, t in present if t.is_torch), None)
+    other = next(((arg, t) for arg, t in present if not t.is_torch), None)
+    if torch_arg and other:
+        kind = type(other[1].obj).__module__.split(".")[0]
+        raise TypeError(
+            f"{torch_arg} is a torch tensor but {other[0]} is a {kind} array; on a GPU pass every tensor "
+            "of a call from one library (torch.as_tensor / cupy.asarray convert zero-copy)"
+        )
 
 
 def _where(device: int) -> str:
@@ -317,7 +335,10 @@ def writable(t: Tensor, arg: str) -> None:
 
 def _no_shared_elements(t: Tensor, arg: str) -> None:
     """Each element of an output at its own address: no stride 0 over a dimension longer than
-    one, and (conservatively) no dimension stepping inside the span of the finer ones."""
+    one, and (conservatively) no dimension stepping inside the span of the finer ones. A
+    zero-size output has no element (numpy 2 gives it strides of 0): nothing to check."""
+    if 0 in t.shape:
+        return
     for d, (n, s) in enumerate(zip(t.shape, t.strides, strict=True)):
         if n > 1 and s == 0:
             raise ValueError(

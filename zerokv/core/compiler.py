@@ -4,6 +4,7 @@ and reused from CuPy's disk cache (``CUPY_CACHE_DIR``) by later processes."""
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, NamedTuple
 
@@ -31,8 +32,23 @@ def function(kernel: Kernel, expr: str, device: int) -> Loaded:
         with _lock:
             fn = _functions.get(key)
             if fn is None:
-                fn = _functions[key] = _build(_sources.kernel_source(kernel), expr, device)
+                fn = _functions[key] = _load_prebuilt(kernel, expr, device) or _build(
+                    _sources.kernel_source(kernel), expr, device
+                )
     return fn
+
+
+def _load_prebuilt(kernel: Kernel, expr: str, device: int) -> Loaded | None:
+    """The binary ``python -m zerokv compile --out DIR`` built, when ZEROKV_KERNEL_DIR names DIR."""
+    if kernel.code is not None or not os.environ.get("ZEROKV_KERNEL_DIR"):
+        return None
+    from . import prebuilt as _prebuilt
+
+    _device.check_device(device)
+    found = _prebuilt.load(
+        kernel.stem, _sources.source(kernel.stem), expr, device, _device.capability(device)
+    )
+    return None if found is None else Loaded(*found)
 
 
 def loaded_count() -> int:
@@ -58,3 +74,6 @@ def clear_functions() -> None:
     which forgets the launch plans holding their handles first."""
     with _lock:
         _functions.clear()
+    from . import prebuilt as _prebuilt
+
+    _prebuilt.forget()  # the modules loaded from ZEROKV_KERNEL_DIR

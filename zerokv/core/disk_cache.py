@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import os
 import sys
 import tempfile
@@ -66,27 +67,45 @@ def load(kind: str, name: str) -> bytes | None:
         return None
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``path`` through a temporary file in its directory and a rename: a reader sees the
+    old file or the new one, never a part; concurrent writers of one name are safe. OSError as is."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide an image's kernels from another user
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def store(kind: str, name: str, data: bytes) -> bool:
     """Write an entry atomically; False (and one warning per process) when it cannot be written."""
     directory = cache_dir() / kind
-    tmp = None
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, directory / name)
+        write_atomic(directory / name, data)
         return True
     except OSError as e:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         warn_once(
             "zerokv-cache",
             f"zerokv: cannot write its cache in {directory} ({e.strerror or e}); going on without "
             "caching. Set ZEROKV_CACHE_DIR to a writable directory to keep compiled kernels between runs.",
         )
         return False
+
+
+def corrupt(kind: str, name: str, why: str) -> None:
+    """An entry that is truncated, corrupt or foreign: one warning per process; the caller
+    rebuilds it (and its store replaces the file)."""
+    warn_once(
+        f"zerokv-cache-corrupt:{kind}",
+        f"zerokv: cache entry {cache_dir() / kind / name} is {why}; rebuilding it "
+        "(further bad entries in this cache are rebuilt without a warning)",
+    )
 
 
 # --- CuPy's kernel cache ----------------------------------------------------------------------
@@ -99,8 +118,8 @@ def cupy_cache_dir() -> str:
 def check_cupy_cache_dir() -> None:
     """Call before the first ``import cupy``: CuPy creates its cache directory on import and a
     directory that cannot be created fails the import with a bare ``OSError``."""
-    if "cupy" in sys.modules:
-        return
+    if "cupy" in sys.modules or importlib.util.find_spec("cupy") is None:
+        return  # imported already, or not installed: no directory for a library that is absent
     d = cupy_cache_dir()
     if os.path.isdir(d):
         return
@@ -122,9 +141,17 @@ class TolerantCache:
 
     def load(self, name: str) -> bytes | None:
         try:
-            return self.inner.load(name)
+            data = self.inner.load(name)
         except OSError:
-            return None  # an unreadable entry is a miss: compile again
+            data = None  # an unreadable entry is a miss: compile again
+        if data is None and os.path.lexists(os.path.join(self.directory, name)):
+            # CuPy checks each entry's SHA-1 and treats a bad one as a miss; say so once
+            warn_once(
+                "cupy-cache-corrupt",
+                f"zerokv: CuPy's kernel cache entry {os.path.join(self.directory, name)} is truncated, "
+                "corrupt or unreadable; compiling it again (further bad entries: no warning)",
+            )
+        return data
 
     def save(self, name: str, cubin: bytes, source: str) -> None:
         try:

@@ -45,6 +45,7 @@ def validate(objs: tuple, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
     """Every check of an empty-rows call, with the caller's names (out, lse, cu, lens)."""
     n_out, n_lse, n_cu, n_lens = names
     t = {n: (None if x is None else view(x, n)) for n, x in zip(names, objs, strict=True)}
+    _checks.one_library_on_gpu(list(t.items()))
     o = _checks.tensor(t[n_out], n_out, 3, _dtypes.V_IN)
     T, H, D = o.shape
     _checks.unit_last_stride(o, n_out)

@@ -56,6 +56,15 @@ def generic(x: Any) -> Any:
     return _Generic(x)
 
 
+def _family(objs: tuple, gen: tuple) -> bool | None:
+    """The signature's producer part: True when every tensor is torch's, False when none is,
+    None for torch beside another producer (a signature of its own: its validation decides,
+    and on a GPU raises, ``checks.one_library_on_gpu``)."""
+    if all(type(g) is not _Generic for g in gen):
+        return True
+    return None if any(is_torch(x) for x in objs) else False
+
+
 def writable_cheap(x: Any) -> bool:
     """An output (the caller's object) that the full check (``checks.writable``) would let
     through, decided from the object alone: a torch tensor that needs no grad and is no
@@ -90,18 +99,18 @@ def read_two(objs: tuple, lse_ht: bool = False) -> TwoFacts | None:
     read as their ``[T, H]`` transposes (no view made)."""
     try:
         return _read_two(objs, True, lse_ht, *objs)  # torch tensors: any other object has no data_ptr
-    except (AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a sparse tensor
         pass
     try:
         gen = tuple(generic(x) for x in objs)
-        return _read_two(objs, all(type(x) is not _Generic for x in gen), lse_ht, *gen)
-    except (AttributeError, TypeError, ValueError):
+        return _read_two(objs, _family(objs, gen), lse_ht, *gen)
+    except (AttributeError, TypeError, ValueError, RuntimeError):
         return None
 
 
 def _read_two(objs, torch, ht, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks) -> TwoFacts:
     f = TwoFacts()
-    f.objs, f.torch = objs, torch
+    f.objs, f.torch = objs, torch is True
     end = _layout.end
     f.va = pa = v_a.data_ptr()
     sh = v_a.shape
@@ -232,18 +241,18 @@ class NFacts:
 def read_n(objs: tuple) -> NFacts | None:
     try:
         return _read_n(objs, True, *objs)
-    except (AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a sparse tensor
         pass
     try:
         gen = tuple(generic(x) for x in objs)
-        return _read_n(objs, all(type(x) is not _Generic for x in gen), *gen)
-    except (AttributeError, TypeError, ValueError):
+        return _read_n(objs, _family(objs, gen), *gen)
+    except (AttributeError, TypeError, ValueError, RuntimeError):
         return None
 
 
 def _read_n(objs, torch, v, s, out, out_lse, scale, sinks) -> NFacts:
     f = NFacts()
-    f.objs, f.torch = objs, torch
+    f.objs, f.torch = objs, torch is True
     f.v = pv = v.data_ptr()
     f.N, f.T, f.H, f.D = v.shape
     f.v_sn, f.v_st, f.v_sh, f.v_in = st = v.stride()
@@ -304,18 +313,18 @@ class RowsFacts:
 def read_rows(objs: tuple) -> RowsFacts | None:
     try:
         return _read_rows(objs, True, *objs)
-    except (AttributeError, TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a sparse tensor
         pass
     try:
         gen = tuple(generic(x) for x in objs)
-        return _read_rows(objs, all(type(x) is not _Generic for x in gen), *gen)
-    except (AttributeError, TypeError, ValueError):
+        return _read_rows(objs, _family(objs, gen), *gen)
+    except (AttributeError, TypeError, ValueError, RuntimeError):
         return None
 
 
 def _read_rows(objs, torch, out, lse, cu, lens) -> RowsFacts:
     f = RowsFacts()
-    f.objs, f.torch = objs, torch
+    f.objs, f.torch = objs, torch is True
     f.out = po = out.data_ptr()
     f.T, f.H, f.D = T, H, D = out.shape
     f.out_st, f.out_sh, f.out_in = st = out.stride()
@@ -334,5 +343,5 @@ def _read_rows(objs, torch, out, lse, cu, lens) -> RowsFacts:
     ok = _layout.aligned(po, isz, w, st[0] | st[1] | D)
     f.neg = not torch and min(*st, *stl, f.cu_st, f.lens_st) < 0
     devices = (dev, lse.get_device(), cu.get_device(), lens.get_device())
-    f.sig = (do, lse.dtype, cu.dtype, lens.dtype, *devices, ok, f.torch)
+    f.sig = (do, lse.dtype, cu.dtype, lens.dtype, *devices, ok, torch)
     return f

@@ -18,8 +18,11 @@ _NAMES2 = ("v_a", "s_a", "v_b", "s_b", "out", "out_lse")
 
 def _views(objs: tuple, keys: tuple, shown: tuple) -> dict[str, Tensor | None]:
     """Records of every argument by name; ``view`` raises a ``TypeError`` naming the argument
-    (as ``shown``, the caller's names) for anything that is not a tensor."""
-    return {k: (None if x is None else view(x, s)) for k, s, x in zip(keys, shown, objs, strict=True)}
+    (as ``shown``, the caller's names) for anything that is not a tensor, and torch beside
+    another library on a GPU is a ``TypeError`` naming both."""
+    t = {k: (None if x is None else view(x, s)) for k, s, x in zip(keys, shown, objs, strict=True)}
+    _checks.one_library_on_gpu([(s, t[k]) for k, s in zip(keys, shown, strict=True)])
+    return t
 
 
 def _name(names: dict[str, str] | None, arg: str) -> str:

@@ -118,7 +118,10 @@ def two(
     if f is None or f.device < 0:
         return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
     key = (scalars, f.sig)
-    plan = _plans.get(key)
+    try:
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable lse_base (an array): the plan's build names it
+        plan = None
     if plan is None:
         plan = _plans.lookup(key, lambda: TwoPlan(f, scalars, prefix_rows, names, lse_ht))
     return plan(f, prefix_rows, names, scalars, lse_ht)

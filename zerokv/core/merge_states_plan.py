@@ -23,7 +23,10 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     if f is None or f.device < 0:
         return _cpu_n(objs, scalars)
     key = ("n", scalars, f.sig)
-    plan = _plans.get(key)
+    try:
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable lse_base (an array): the plan's build names it
+        plan = None
     if plan is None:
         plan = _plans.lookup(key, lambda: NPlan(f, scalars))
     return plan(f, scalars)

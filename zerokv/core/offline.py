@@ -21,6 +21,7 @@ from typing import Any
 
 from . import disk_cache as _cache
 from . import kernels as _kernels
+from . import prebuilt as _prebuilt
 from . import sources as _sources
 
 MIN_ARCH = 80
@@ -94,11 +95,18 @@ def _installed(dist: str) -> bool:
 
 
 def nvrtc() -> Any:
-    """cuda-bindings' NVRTC module; ImportError with the install command when it is missing."""
+    """cuda-bindings' NVRTC module, else the same calls over CuPy's NVRTC bindings; ImportError
+    with the install command when neither is installed."""
     try:
         from cuda.bindings import nvrtc as module
     except ImportError as e:
-        raise ImportError(f"compiling without a GPU needs cuda-bindings: {install_hint()}") from e
+        try:
+            from cupy_backends.cuda.libs import nvrtc as cupy_module
+        except ImportError:
+            raise ImportError(f"compiling without a GPU needs cuda-bindings: {install_hint()}") from e
+        from .cupy_nvrtc import CupyNvrtc
+
+        return CupyNvrtc(cupy_module)
     return module
 
 
@@ -128,21 +136,35 @@ def supported_archs() -> list[int]:
     return sorted(int(a) for a in archs if int(a) >= MIN_ARCH)
 
 
+def accepted_archs() -> list[str]:
+    """Every arch name ``compile --arch`` takes with this NVRTC: each supported compute capability
+    from sm_80 on, with its ``a`` variant from sm_90 and its ``f`` (family) variant from sm_100,
+    as NVRTC 12.9+ names them. ImportError (with the install command) without NVRTC."""
+    names = []
+    for a in supported_archs():
+        names.append(f"sm_{a}")
+        if a >= 90:
+            names.append(f"sm_{a}a")
+        if a >= 100:
+            names.append(f"sm_{a}f")
+    return names
+
+
 def check_arch(arch: str) -> str:
-    """``arch`` if it names a target zerokv supports (``sm_80`` .. ``sm_121``, ``sm_90a``...),
-    else ArchError listing the valid names: those this NVRTC compiles for, or without NVRTC
-    (cuda-bindings missing) the archs CI compiles for."""
+    """``arch`` if it names a target zerokv supports (see :func:`accepted_archs`), else ArchError
+    listing the valid names: those of this NVRTC, or without NVRTC (cuda-bindings missing) the
+    archs CI compiles for."""
     m = _ARCH.match(arch)
     try:
-        valid = supported_archs()
+        valid = accepted_archs()
     except ImportError:
         valid = None
-    names = ", ".join(f"sm_{a}" for a in (valid or [int(a[3:]) for a in CI_ARCHS]))
+    names = ", ".join(valid or CI_ARCHS)
     if not m:
         raise ArchError(f"{arch!r} is not an arch name; valid: {names}")
     if int(m.group(1)) < MIN_ARCH:
         raise ArchError(f"{arch}: zerokv needs sm_80 or newer (A100 and later); valid: {names}")
-    if valid is not None and int(m.group(1)) not in valid:
+    if valid is not None and arch not in valid:
         major, minor = nvrtc_version()
         raise ArchError(f"{arch}: NVRTC {major}.{minor} cannot compile for it; valid: {names}")
     return arch
@@ -156,7 +178,7 @@ def options(arch: str) -> list[str]:
 def _log(prog: Any) -> str:
     nv = nvrtc()
     _, size = nv.nvrtcGetProgramLogSize(prog)
-    buf = b" " * size
+    buf = bytearray(size)
     nv.nvrtcGetProgramLog(prog, buf)
     return buf.decode(errors="replace").rstrip("\x00 \n")
 
@@ -173,8 +195,9 @@ def _compile(code: str, filename: str, exprs: list[str], arch: str) -> tuple[byt
         if res != nv.nvrtcResult.NVRTC_SUCCESS:
             return _log(prog) or str(res)
         (size,) = _check(nv.nvrtcGetCUBINSize(prog), "cubin size")
-        cubin = b" " * size
-        _check(nv.nvrtcGetCUBIN(prog, cubin), "cubin")
+        buf = bytearray(size)
+        _check(nv.nvrtcGetCUBIN(prog, buf), "cubin")
+        cubin = bytes(buf)
         lowered = [
             _check(nv.nvrtcGetLoweredName(prog, e.encode()), f"lowered name of {e}")[0].decode()
             for e in exprs
@@ -195,74 +218,110 @@ def _first_error(log: str) -> str:
 
 
 def compile_stem(
-    stem: str, arch: str = "sm_90", directory: Path | None = None, *, cache: bool = True
+    stem: str,
+    arch: str = "sm_90",
+    directory: Path | None = None,
+    *,
+    cache: bool = True,
+    exprs: list[str] | None = None,
+    out: Path | None = None,
 ) -> list[Compiled]:
-    """Compile all instantiations of ``kernels_cu/<stem>.cu`` for ``arch``.
+    """Compile all instantiations of ``kernels_cu/<stem>.cu`` for ``arch`` (or only ``exprs``).
 
     ``directory``: another folder of kernel sources to compile instead (default: the package's
-    ``kernels_cu``). A failed compile raises :class:`CompileError` naming each failing
-    instantiation and carrying the NVRTC log.
+    ``kernels_cu``). ``out``: a kernel directory to write the binary and its record into (what
+    ``ZEROKV_KERNEL_DIR`` serves at run time). A failed compile raises :class:`CompileError`
+    naming each failing instantiation and carrying the NVRTC log.
     """
-    exprs = _kernels.instantiations()[stem]
+    exprs = list(_kernels.instantiations()[stem] if exprs is None else exprs)
     code = _sources.source(stem, directory)
-    filename = f"{stem}.cu"
-    key = _cache.digest(
-        code, "\0".join(exprs), " ".join(options(arch)), "nvrtc {}.{}".format(*nvrtc_version())
-    )
-    if cache:
-        hit = _load(key, stem, exprs)
-        if hit is not None:
-            return hit
-    start = time.perf_counter()
+    version = nvrtc_version()
+    key = _cache.digest(code, "\0".join(exprs), " ".join(options(arch)), "nvrtc {}.{}".format(*version))
+    hit = _load(key, stem, exprs) if cache else None
+    if hit is not None:
+        lowered, cubin, seconds, cached = hit[0], hit[1], 0.0, True
+    else:
+        start = time.perf_counter()
+        cubin, lowered = _compile_or_raise(code, f"{stem}.cu", exprs, arch, stem)
+        seconds, cached = time.perf_counter() - start, False
+        if cache:
+            _store(key, stem, arch, exprs, lowered, cubin)
+    if out is not None:
+        _prebuilt.write(out, stem, arch, code, options(arch), version, exprs, lowered, cubin)
+    return [
+        Compiled(stem, e, low, len(cubin), seconds, cached) for e, low in zip(exprs, lowered, strict=True)
+    ]
+
+
+def _compile_or_raise(
+    code: str, filename: str, exprs: list[str], arch: str, stem: str
+) -> tuple[bytes, list[str]]:
     result = _compile(code, filename, exprs, arch)
-    if isinstance(result, str):
-        common = _compile(code, filename, [], arch)  # no instantiation: an error every one shares
-        if isinstance(common, str):
-            raise CompileError(
-                stem, arch, [(f"every instantiation ({len(exprs)})", _first_error(common))], result
-            )
-        failing = []
-        for e in exprs:  # alone, each instantiation shows whether it is one that fails
-            alone = _compile(code, filename, [e], arch)
-            if isinstance(alone, str):
-                failing.append((e, _first_error(alone)))
-        if not failing:  # only together (should not happen): name the program
-            failing = [(f"{len(exprs)} instantiations together", _first_error(result))]
-        raise CompileError(stem, arch, failing, result)
-    cubin, lowered = result
-    seconds = time.perf_counter() - start
-    if cache:
-        meta = {
-            "stem": stem,
-            "arch": arch,
-            "expressions": exprs,
-            "lowered": lowered,
-            "cubin_bytes": len(cubin),
-        }
-        _cache.store("offline", f"{key}.json", json.dumps(meta).encode())  # what a rerun reports
-    return [Compiled(stem, e, low, len(cubin), seconds) for e, low in zip(exprs, lowered, strict=True)]
+    if not isinstance(result, str):
+        return result
+    common = _compile(code, filename, [], arch)  # no instantiation: an error every one shares
+    if isinstance(common, str):
+        raise CompileError(
+            stem, arch, [(f"every instantiation ({len(exprs)})", _first_error(common))], result
+        )
+    failing = []
+    for e in exprs:  # alone, each instantiation shows whether it is one that fails
+        alone = _compile(code, filename, [e], arch)
+        if isinstance(alone, str):
+            failing.append((e, _first_error(alone)))
+    if not failing:  # only together (should not happen): name the program
+        failing = [(f"{len(exprs)} instantiations together", _first_error(result))]
+    raise CompileError(stem, arch, failing, result)
 
 
-def _load(key: str, stem: str, exprs: list[str]) -> list[Compiled] | None:
+def _store(key: str, stem: str, arch: str, exprs: list[str], lowered: list[str], cubin: bytes) -> None:
+    meta = {
+        "stem": stem,
+        "arch": arch,
+        "expressions": exprs,
+        "lowered": lowered,
+        "cubin_bytes": len(cubin),
+        "cubin_sha256": _prebuilt.sha256(cubin),
+    }
+    # the binary first, then the record that vouches for it (each written atomically)
+    if _cache.store("offline", f"{key}.cubin", cubin):
+        _cache.store("offline", f"{key}.json", json.dumps(meta).encode())
+
+
+def _load(key: str, stem: str, exprs: list[str]) -> tuple[list[str], bytes] | None:
+    """(lowered names, cubin) of a cached compile, or None: missing, or truncated, corrupt or
+    foreign (one warning; the caller compiles and the store replaces it)."""
     raw = _cache.load("offline", f"{key}.json")
     if raw is None:
         return None
     try:
         meta = json.loads(raw)
-        lowered, size = meta["lowered"], int(meta["cubin_bytes"])
+        lowered = [str(x) for x in meta["lowered"]]
         ok = meta["expressions"] == exprs and len(lowered) == len(exprs)
+        want = str(meta["cubin_sha256"])
     except (ValueError, KeyError, TypeError):
-        return None
+        ok = False
     if not ok:
+        _cache.corrupt("offline", f"{key}.json", "not a record of this compile")
         return None
-    return [Compiled(stem, e, low, size, 0.0, cached=True) for e, low in zip(exprs, lowered, strict=True)]
+    cubin = _cache.load("offline", f"{key}.cubin")
+    if cubin is None or _prebuilt.sha256(cubin) != want:
+        _cache.corrupt("offline", f"{key}.cubin", "missing, truncated or corrupt")
+        return None
+    return lowered, cubin
 
 
-def compile_arch(arch: str, *, cache: bool = True) -> Iterator[tuple[str, list[Compiled] | CompileError]]:
-    """``(stem, results)`` of every stem for ``arch`` in turn; a stem that fails gives its
-    :class:`CompileError` in place of the results, and the others still compile."""
-    for stem in _kernels.instantiations():
+def compile_arch(
+    arch: str, *, cache: bool = True, exprs: dict[str, list[str]] | None = None, out: Path | None = None
+) -> Iterator[tuple[str, list[Compiled] | CompileError]]:
+    """``(stem, results)`` of every stem for ``arch`` in turn (``exprs``: stem -> the name
+    expressions to build, default all; ``out``: a kernel directory to write); a stem that fails
+    gives its :class:`CompileError` in place of the results, and the others still compile."""
+    wanted = _kernels.instantiations() if exprs is None else exprs
+    for stem, stem_exprs in wanted.items():
+        if not stem_exprs:
+            continue
         try:
-            yield stem, compile_stem(stem, arch, cache=cache)
+            yield stem, compile_stem(stem, arch, cache=cache, exprs=stem_exprs, out=out)
         except CompileError as e:
             yield stem, e

@@ -26,7 +26,10 @@ LIMIT = 4096  # distinct signatures kept; past it the table starts again (a proc
 
 
 def lookup(key: Any, build: Callable[[], Any]) -> Any:
-    plan = _plans.get(key)
+    try:
+        plan = _plans.get(key)
+    except TypeError:  # an unhashable argument in the key (lse_base=np.array(2)): build() names it
+        return build()
     if plan is None:
         with _lock:
             plan = _plans.get(key)

@@ -57,6 +57,23 @@ def torch_view(t: Any) -> Tensor:
     return _new(Tensor, (t, t.data_ptr(), t.shape, t.stride(), dtype, t.get_device(), True))
 
 
+def _torch_kind_error(t: Any, arg: str) -> TypeError | None:
+    """A TypeError naming ``arg`` for torch tensors that hold no strided data: meta, sparse and
+    nested tensors (whose ``data_ptr`` / ``stride`` / ``numpy`` fail with messages naming no
+    argument); None for every ordinary tensor."""
+    if t.is_meta:
+        return TypeError(f"{arg}: a meta tensor has no data to compute on; pass a tensor on the CPU or a GPU")
+    if getattr(t, "is_nested", False):
+        return TypeError(f"{arg}: a nested tensor is not supported; pass a dense, strided tensor")
+    layout = t.layout
+    if layout is not sys.modules["torch"].strided:
+        return TypeError(
+            f"{arg}: a sparse tensor ({str(layout).removeprefix('torch.')}) is not supported; "
+            "pass a dense, strided tensor (x.to_dense())"
+        )
+    return None
+
+
 class _NoTorch:
     """Stands for torch.Tensor before torch is imported: no object has this type."""
 
@@ -161,6 +178,9 @@ def is_torch(x: Any) -> bool:
 def view(x: Any, arg: str) -> Tensor:
     """Any tensor-like to a :class:`Tensor`; ``TypeError`` naming ``arg`` otherwise."""
     if type(x) is torch_tensor_type() or is_torch(x):
+        error = _torch_kind_error(x, arg)
+        if error is not None:
+            raise error
         return torch_view(x)
     if isinstance(x, np.ndarray):
         return _numpy_view(x)

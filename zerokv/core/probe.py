@@ -1,0 +1,129 @@
+"""``zerokv.can_run``: whether zerokv can launch on a device, and if not why, in one line.
+
+For an engine choosing its fallback before the first call: it never raises and compiles nothing
+(it reads package metadata, imports CuPy, asks the driver for the device and loads NVRTC's
+library to read its version).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from importlib import metadata
+from typing import Any
+
+CUPY_PACKAGES = ("cupy-cuda12x", "cupy-cuda13x")
+FALLBACK = "use the engine's own kernels (e.g. vLLM's Triton merge) or zerokv's CPU path for CPU tensors"
+_checked: list[str] = []
+
+
+def installed_cupy_packages() -> list[str]:
+    """Which of CuPy's CUDA 12 and CUDA 13 packages are installed (metadata only, no import)."""
+    found = []
+    for dist in CUPY_PACKAGES:
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        found.append(dist)
+    return found
+
+
+def two_cupy_message() -> str:
+    return (
+        "both cupy-cuda12x and cupy-cuda13x are installed; they overwrite one `cupy` module: "
+        "pip uninstall -y cupy-cuda12x cupy-cuda13x, then pip install 'zerokv[cuda12]' or 'zerokv[cuda13]'"
+    )
+
+
+def check_single_cupy() -> None:
+    """RuntimeError when both CuPy packages are installed (checked once per process, before the
+    first ``import cupy`` of zerokv)."""
+    if _checked:
+        return
+    if len(installed_cupy_packages()) > 1:
+        raise RuntimeError(f"zerokv: {two_cupy_message()}")
+    _checked.append("ok")
+
+
+def can_run(device: Any = None) -> tuple[bool, str]:
+    """Whether zerokv can launch its kernels on ``device`` (None: the current CUDA device; an
+    int, ``"cuda:N"`` or a ``torch.device``), and a one-line reason.
+
+    ``(False, why)`` names the first obstacle: CuPy not installed, both CuPy packages installed,
+    a ROCm build of CuPy, no usable CUDA GPU, a device that does not exist, compute capability
+    below 8.0, or no NVRTC. ``(True, ...)`` names the device and its arch. Never raises and
+    compiles nothing. Where it says False, use the engine's own kernels (CPU tensors still
+    run zerokv's float64 reference path).
+    """
+    try:
+        return _can_run(device)
+    except Exception as e:  # a probe never raises
+        return (
+            False,
+            f"zerokv cannot tell whether it can run here ({type(e).__name__}: {' '.join(str(e).split())})",
+        )
+
+
+def _can_run(device: Any) -> tuple[bool, str]:
+    packages = installed_cupy_packages()
+    if len(packages) > 1:
+        return False, two_cupy_message()
+    if importlib.util.find_spec("cupy") is None:
+        return (
+            False,
+            "CuPy is not installed: pip install 'zerokv[cuda13]' (CUDA 13 driver) or 'zerokv[cuda12]'",
+        )
+    from . import device as _device
+
+    try:
+        cupy = _device.import_cupy()
+    except Exception as e:
+        return False, f"CuPy cannot be imported ({' '.join(str(e).split())})"
+    if getattr(cupy.cuda.runtime, "is_hip", False):
+        return False, "CuPy is a ROCm build: zerokv's kernels are CUDA only (AMD GPUs are not supported)"
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        return False, f"no usable CUDA GPU ({' '.join(str(e).split())})"
+    if count == 0:
+        return False, "no CUDA GPU"
+    index = _index(device, cupy)
+    if isinstance(index, str):
+        return False, index
+    if index >= count:
+        return False, f"cuda:{index} does not exist ({count} CUDA device{'s' if count != 1 else ''})"
+    major, minor = _device.capability(index)
+    name = _device.device_name(index)
+    if (major, minor) < _device.MIN_CAPABILITY:
+        return False, (
+            f"cuda:{index} ({name}) has compute capability {major}.{minor}; zerokv needs 8.0 or newer: {FALLBACK}"
+        )
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+
+        nv = nvrtc.getVersion()
+    except Exception as e:
+        return (
+            False,
+            f"NVRTC cannot be loaded ({' '.join(str(e).split())}): pip install the extra of your CUDA major again",
+        )
+    return True, f"cuda:{index} ({name}, sm_{major}{minor}, NVRTC {nv[0]}.{nv[1]}): zerokv can launch here"
+
+
+def _index(device: Any, cupy: Any) -> int | str:
+    """The device ordinal, or a one-line reason it is not a CUDA device."""
+    if device is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            return int(torch.cuda.current_device())
+        return int(cupy.cuda.runtime.getDevice())
+    if isinstance(device, bool):
+        return f"device {device!r} is not a CUDA device"
+    if isinstance(device, int):
+        return device if device >= 0 else f"device {device!r} is negative"
+    text = str(device)
+    kind, _, number = text.partition(":")
+    if kind != "cuda" or not (number.isdigit() or number == ""):
+        return f"device {device!r} is not a CUDA device"
+    return int(number) if number else _index(None, cupy)
