@@ -202,3 +202,38 @@ def test_on_a_gpu_torch_beside_cupy_is_a_type_error_naming_both(cupy_arg):
     assert "is a torch tensor but" in message and f"{cupy_arg} is a cupy array" in message, message
     if cupy_arg != "out":
         assert torch.equal(args["out"].isnan(), poisoned.isnan())  # nothing written
+
+
+def test_torch_beside_another_producer_is_a_signature_of_its_own():
+    """The readers' producer part of a signature: a mixed call never finds the plan of an
+    all-torch or all-numpy call (a torch subclass beside numpy included), so its validation runs."""
+    from zerokv.core import facts
+
+    v_a, s_a, v_b, s_b = _states()
+    rest = (None,) * 7
+    torch_only = facts.read_two((v_a, s_a, v_b, s_b, *rest))
+    numpy_only = facts.read_two((v_a.numpy(), s_a.numpy(), v_b.numpy(), s_b.numpy(), *rest))
+    mixed = facts.read_two((v_a, s_a.numpy(), v_b, s_b, *rest))
+    subclass = facts.read_two(
+        (torch.nn.Parameter(v_a, requires_grad=False), s_a.numpy(), v_b.numpy(), s_b.numpy(), *rest)
+    )
+    assert (torch_only.sig[-1], numpy_only.sig[-1], mixed.sig[-1], subclass.sig[-1]) == (
+        True,
+        False,
+        None,
+        None,
+    )
+    assert torch_only.torch and not (numpy_only.torch or mixed.torch or subclass.torch)
+    assert len({torch_only.sig, numpy_only.sig, mixed.sig, subclass.sig}) == 4
+
+
+def test_the_one_library_rule_names_both_arguments_on_a_gpu_only():
+    from zerokv.core import checks
+    from zerokv.core.tensors import view
+
+    v_a, s_a, _, _ = _states()
+    t, n = view(v_a, "v_a"), view(s_a.numpy(), "s_a")
+    checks.one_library_on_gpu([("v_a", t), ("s_a", n), ("out", None)])  # on the host: any mix works
+    checks.one_library_on_gpu([("v_a", t._replace(device=0)), ("s_a", t._replace(device=0))])
+    with pytest.raises(TypeError, match=r"^v_a is a torch tensor but s_a is a numpy array; on a GPU"):
+        checks.one_library_on_gpu([("v_a", t._replace(device=0)), ("s_a", n._replace(device=0))])
