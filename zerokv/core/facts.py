@@ -31,12 +31,12 @@ def _itemsize(dtype: Any) -> int:
 class _Generic:
     """One tensor of any producer, read through ``view``: what the readers take from it."""
 
-    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "obj")
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "obj", "is_torch")
 
     def __init__(self, x: Any) -> None:
         t = view(x, "tensor")
-        self.ptr, self.shape, self.strides, self.dtype, self.device, self.obj = (
-            t.ptr, tuple(t.shape), tuple(t.strides), t.dtype, t.device, x,
+        self.ptr, self.shape, self.strides, self.dtype, self.device, self.obj, self.is_torch = (
+            t.ptr, tuple(t.shape), tuple(t.strides), t.dtype, t.device, x, t.is_torch,
         )  # fmt: skip
 
     def data_ptr(self) -> int:
@@ -56,13 +56,18 @@ def generic(x: Any) -> Any:
     return _Generic(x)
 
 
-def _family(objs: tuple, gen: tuple) -> bool | None:
+def _family(gen: tuple) -> bool | None:
     """The signature's producer part: True when every tensor is torch's, False when none is,
     None for torch beside another producer (a signature of its own: its validation decides,
     and on a GPU raises, ``checks.one_library_on_gpu``)."""
-    if all(type(g) is not _Generic for g in gen):
-        return True
-    return None if any(is_torch(x) for x in objs) else False
+    any_generic = torch_seen = False
+    for g in gen:
+        if type(g) is _Generic:
+            any_generic = True
+            torch_seen = torch_seen or g.is_torch
+        elif g is not None:
+            torch_seen = True
+    return (None if torch_seen else False) if any_generic else True
 
 
 def writable_cheap(x: Any) -> bool:
@@ -103,7 +108,7 @@ def read_two(objs: tuple, lse_ht: bool = False) -> TwoFacts | None:
         pass
     try:
         gen = tuple(generic(x) for x in objs)
-        return _read_two(objs, _family(objs, gen), lse_ht, *gen)
+        return _read_two(objs, _family(gen), lse_ht, *gen)
     except (AttributeError, TypeError, ValueError, RuntimeError):
         return None
 
@@ -245,7 +250,7 @@ def read_n(objs: tuple) -> NFacts | None:
         pass
     try:
         gen = tuple(generic(x) for x in objs)
-        return _read_n(objs, _family(objs, gen), *gen)
+        return _read_n(objs, _family(gen), *gen)
     except (AttributeError, TypeError, ValueError, RuntimeError):
         return None
 
@@ -317,7 +322,7 @@ def read_rows(objs: tuple) -> RowsFacts | None:
         pass
     try:
         gen = tuple(generic(x) for x in objs)
-        return _read_rows(objs, _family(objs, gen), *gen)
+        return _read_rows(objs, _family(gen), *gen)
     except (AttributeError, TypeError, ValueError, RuntimeError):
         return None
 
