@@ -25,7 +25,7 @@ from states import make_states
 
 import zerokv
 from zerokv import reference
-from zerokv.compat import vllm
+from zerokv.compat import flashinfer, vllm
 
 INF, NAN = float("inf"), float("nan")
 LN2, LN3 = float(np.log(2)), float(np.log(3))
@@ -285,20 +285,25 @@ def test_empty_rows_closed_form(op, impl):
     assert np.array_equal(got[0], want_out) and np.array_equal(got[1], want_lse)
 
 
-def test_fp8_out_scale_closed_form():
+@pytest.mark.parametrize("scale", [0.5, 0.125])
+@pytest.mark.parametrize("op", ["merge_state", "merge_states"])
+def test_fp8_out_scale_closed_form(op, scale):
     """fp8 e4m3 output = fp8(clamp(merged / scale, +-448)): values chosen to be exact in e4m3
     (3/4 * 4 + 1/4 * 8 = 5, / 0.5 = 10), clamps at +-448, an empty row 0, a NaN row NaN."""
     v_a = np.array([[[4.0, -2.0, 0.5, 1000.0]], [[1.0, 1.0, 1.0, 1.0]], [[NAN] * 4], [[1.0] * 4]])
     v_b = np.array([[[8.0, -2.0, 0.5, -1000.0]], [[3.0, -3.0, 9.0, 0.0]], [[NAN] * 4], [[1.0] * 4]])
     s_a = np.array([[LN3], [-INF], [-INF], [NAN]])
     s_b = np.array([[0.0], [2.0], [INF], [0.0]])
-    want = np.array([[10.0, -4.0, 1.0, 448.0], [6.0, -6.0, 18.0, 0.0], [0.0] * 4, [NAN] * 4])
+    merged = np.array([[5.0, -2.0, 0.5, 500.0], [3.0, -3.0, 9.0, 0.0], [0.0] * 4, [NAN] * 4])
+    want = np.clip(merged / scale, -448, 448)  # 10, -4, 1, 448 | 6, -6, 18, 0 at 0.5: all exact
     t = [torch.from_numpy(x).float() for x in (v_a, s_a, v_b, s_b)]
     out = torch.full((4, 1, 4), NAN).to(torch.float8_e4m3fn)
-    scale = torch.tensor([0.5])
-    zerokv.merge_state(*t, out=out, out_scale=scale)
-    got = f64(out.float())
-    np.testing.assert_array_equal(got[:, 0], want)
+    s = torch.tensor([scale])
+    if op == "merge_state":
+        zerokv.merge_state(*t, out=out, out_scale=s)
+    else:
+        zerokv.merge_states(torch.stack(t[::2]), torch.stack(t[1::2]), out=out, out_scale=s)
+    np.testing.assert_array_equal(f64(out.float())[:, 0], want)
 
 
 # --- the laws: the empty state is the identity, a chain is the N-way merge, order is free -----
@@ -408,3 +413,41 @@ def test_reference_empty_rows_equal_the_loops(seed):
     ):
         want = with_empty_rows(out, lse, rows)
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("kind", ["torch", "numpy"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_flashinfer_in_place_row_mask_closed_form(kind, dtype):
+    """merge_state_in_place(mask=): rows 0 and 2 (mask True) merge, base 2 with equal LSEs (V
+    halves, LSE + 1); rows 1 and 3 stay bit for bit, V and LSE, NaN garbage included."""
+    T = 4
+    v = np.tile(np.array([2.0, 4.0, -8.0]), (T, 2, 1))
+    v[1, 0] = NAN
+    s = np.array([[1.0, 3.0], [NAN, 0.5], [-1.0, 2.0], [4.0, 4.0]])
+    v_o = np.tile(np.array([6.0, 0.0, 8.0]), (T, 2, 1))
+    s_o = s.copy()
+    s_o[1] = 9.0
+    mask = np.array([True, False, True, False])
+    want_v, want_s = v.copy(), s.copy()
+    want_v[mask] = (v[mask] + v_o[mask]) / 2
+    want_s[mask] = s[mask] + 1.0
+    tv, ts, to, tso = (
+        torch.from_numpy(x).to(d)
+        for x, d in ((v, dtype), (s, torch.float32), (v_o, dtype), (s_o, torch.float32))
+    )
+    m = torch.from_numpy(mask)
+    if kind == "numpy":
+        tv, ts, to, tso, m = (
+            x.numpy() if x.dtype != torch.bfloat16 else _np_bf16(x) for x in (tv, ts, to, tso, m)
+        )
+    flashinfer.merge_state_in_place(tv, ts, to, tso, mask=m)
+    got_v = f64(torch.as_tensor(np.asarray(tv, dtype=np.float64)) if kind == "numpy" else tv)
+    got_s = f64(torch.as_tensor(np.asarray(ts, dtype=np.float64)) if kind == "numpy" else ts)
+    assert np.array_equal(got_v, want_v, equal_nan=True), got_v
+    assert np.array_equal(got_s, want_s, equal_nan=True), got_s
+
+
+def _np_bf16(x):
+    import ml_dtypes
+
+    return x.float().numpy().astype(ml_dtypes.bfloat16)
