@@ -179,7 +179,9 @@ def test_a_failing_worker_fails_the_test():
         assert i != 5, f"worker {i} saw a wrong value"
         return i
 
-    with pytest.raises(AssertionError, match=r"1 of 8 workers failed; worker 5: .*worker 5 saw a wrong value"):
+    with pytest.raises(
+        AssertionError, match=r"1 of 8 workers failed; worker 5: .*worker 5 saw a wrong value"
+    ):
         run_threads(worker, [(i,) for i in range(8)])
     assert run_threads(worker, [(i,) for i in range(5)]) == list(range(5))
 
