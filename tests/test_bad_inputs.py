@@ -19,11 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+import oracles
 import pytest
 import torch
+from conftest import assert_close
 
 import zerokv
-from zerokv import reference
 from zerokv.compat import flashinfer, sglang, vllm
 
 NAN = float("nan")
@@ -747,28 +748,28 @@ def test_there_are_enough_cases():
 # --- numpy through the adapters: the native path, not an AttributeError deep inside ------------
 
 
-def test_numpy_through_the_adapters_matches_the_reference():
+def test_numpy_through_the_adapters_matches_the_oracle():
     g = np.random.default_rng(7)
     v_a, v_b = (g.standard_normal((T, H, D)).astype(np.float32) for _ in range(2))
     s_a, s_b = (g.standard_normal((T, H)) * 4 for _ in range(2))  # float64: SGLang converts
-    ref_v, ref_s = reference.merge_state(v_a, s_a, v_b, s_b)
+    ref_v, ref_s = oracles.merge2(v_a, s_a, v_b, s_b)
     v, s = sglang.merge_state_v2(v_a, s_a, v_b, s_b)
     assert isinstance(v, np.ndarray) and s.dtype == np.float32
-    np.testing.assert_allclose(v, ref_v, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(s, ref_s, rtol=2e-5, atol=2e-5)
+    assert_close(v, ref_v, torch.float32)
+    assert_close(s, ref_s, torch.float32)
 
     out = np.full((T, H, D), NAN, np.float32)
     out_lse = np.full((H, T), NAN, np.float32)
     vllm.merge_attn_states(out, v_a, s_a.T.astype(np.float32), v_b, s_b.T.astype(np.float32), out_lse)
-    np.testing.assert_allclose(out, ref_v, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(out_lse.T, ref_s, rtol=2e-5, atol=2e-5)
+    assert_close(out, ref_v, torch.float32)
+    assert_close(out_lse.T, ref_s, torch.float32)
 
     v = g.standard_normal((T, N, H, D)).astype(np.float32)  # FlashInfer's [T, N, H, D], base 2
     s = (g.standard_normal((T, N, H)) * 4).astype(np.float32)
     V, S = flashinfer.merge_states(v, s)
-    ref_v, ref_s = reference.merge_states(v.swapaxes(0, 1), s.swapaxes(0, 1), lse_base=2)
-    np.testing.assert_allclose(V, ref_v, rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(S, ref_s, rtol=2e-5, atol=2e-5)
+    ref_v, ref_s = oracles.merge(v.swapaxes(0, 1), s.swapaxes(0, 1), base=2)
+    assert_close(V, ref_v, torch.float32)
+    assert_close(S, ref_s, torch.float32)
 
     flat = g.standard_normal((T, H * D)).astype(np.float32)  # vLLM's [T, H * D] output
     lse = g.standard_normal((H, T)).astype(np.float32)

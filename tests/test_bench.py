@@ -12,9 +12,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import oracles
 import pytest
 import torch
 from conftest import DTYPES, assert_close, f64
+from tolerances import tolerance
 
 from zerokv import reference
 
@@ -34,7 +36,6 @@ def bench(monkeypatch):
 
 
 def test_vllm_design_kernel_compiles_for_sm90(bench):
-    pytest.importorskip("cuda.bindings.nvrtc")
     for kernel in (bench.baselines.VLLM_DESIGN, bench.baselines.EMPTY):
         lowered = bench.baselines.compile_offline(kernel, arch="sm_90")
         assert list(lowered) == kernel.expressions
@@ -67,7 +68,7 @@ def test_eager_baselines_follow_the_empty_rule(bench):
     sb[1], vb[1] = INF, NAN
     sa[2], sb[2], va[2], vb[2] = -INF, INF, NAN, NAN
     sa[3, 0] = NAN
-    want = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb))
+    want = oracles.merge2(va, sa, vb, sb)
     out, lse = torch.full((T, H, D), NAN), torch.full((T, H), NAN)
     bench.baselines.eager_merge_state(va, sa, vb, sb, out, lse)
     assert_close(out, want[0], torch.float32, "out")
@@ -256,7 +257,13 @@ def test_dry_run_goes_through_the_whole_pipeline(tmp_path):
     ):
         assert any(o == op for o, _ in ops), op
     assert ("merge_state", "vLLM-design CUDA") in ops
-    assert all(r["max_err"] is None or r["max_err"] < 0.1 for r in doc["rows"])
+    # each row within its output dtype's bound (tolerances.py) on unit-scale data (|values| <= 8)
+    labels = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    checked = [r for r in doc["rows"] if r["max_err"] is not None]
+    assert len(checked) >= 10, len(checked)
+    for r in checked:
+        atol, rtol = tolerance(labels[r["dtype"]])
+        assert r["max_err"] <= atol + 8 * rtol, (r["op"], r["impl"], r["dtype"], r["max_err"])
     assert {"merge_state zerokv / best baseline, layout HT, every shape"} <= {
         t["name"] for t in doc["targets"]
     }

@@ -1,15 +1,16 @@
-"""The engine adapters: exact signatures, their conventions (layout, LSE base), their edges."""
+"""The engine adapters: exact signatures, their conventions (layout, LSE base), their edges; the
+values against the independent oracles (``oracles.py``), on the CPU path and the GPU alike."""
 
 from __future__ import annotations
 
 import numpy as np
+import oracles
 import pytest
 import torch
 from batches import check_empty_rows, empty_rows, garbage_state, make_batch
 from conftest import assert_close, f64
 from states import INF, NAN, make_states
 
-from zerokv import reference
 from zerokv.compat import flashinfer, sglang, vllm
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -28,7 +29,7 @@ def test_vllm_merge_attn_states_hn_layout(device, dtype):
     output = torch.full_like(v_p, NAN)
     output_lse = torch.full((H, T), NAN, device=device)
     assert vllm.merge_attn_states(output, v_p, p_lse, v_s, s_lse, output_lse) is None
-    ref_out, ref_lse = reference.merge_state(*(f64(x) for x in (v_p, s_p, v_s, s_s)))
+    ref_out, ref_lse = oracles.merge2(*(f64(x) for x in (v_p, s_p, v_s, s_s)))
     assert_close(output, ref_out, dtype, "output")
     assert_close(output_lse.T, ref_lse, torch.float32, "output_lse")
 
@@ -45,7 +46,7 @@ def test_vllm_prefill_tokens_with_context_copies_the_suffix_verbatim(device):
     assert torch.equal(output[k:].isnan(), v_s[k:].isnan())
     assert torch.equal(output[k:].nan_to_num(), v_s[k:].nan_to_num())
     assert torch.equal(output_lse.T[k:], s_s[k:])
-    ref_out, ref_lse = reference.merge_state(*(f64(x)[:k] for x in (v_p, s_p, v_s, s_s)))
+    ref_out, ref_lse = oracles.merge2(*(f64(x)[:k] for x in (v_p, s_p, v_s, s_s)))
     assert_close(output[:k], ref_out, torch.float16)
     assert_close(output_lse.T[:k], ref_lse, torch.float32)
 
@@ -100,7 +101,7 @@ def test_vllm_mask_empty_context(device, flat_output):
 def test_sglang_merge_state_v2(device):
     v_a, s_a, v_b, s_b = _states(129, 16, 72, torch.bfloat16, device, seed=6)
     v, s = sglang.merge_state_v2(v_a, s_a, v_b, s_b)
-    ref_out, ref_lse = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
+    ref_out, ref_lse = oracles.merge2(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
     assert_close(v, ref_out, torch.bfloat16)
     assert_close(s, ref_lse, torch.float32)
     # in place into v_a, s_merged allocated; an LSE given in another float dtype is converted
@@ -124,11 +125,11 @@ def test_sglang_fixup_ignores_a_too_small_max_seq_len(device):
 def test_flashinfer_merge_state_is_base_2(device):
     v_a, s_a, v_b, s_b = _states(200, 8, 128, torch.float16, device, seed=9)
     v, s = flashinfer.merge_state(v_a, s_a, v_b, s_b)
-    ref_out, ref_lse = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)), lse_base=2)
+    ref_out, ref_lse = oracles.merge2(*(f64(x) for x in (v_a, s_a, v_b, s_b)), base=2)
     assert_close(v, ref_out, torch.float16)
     assert_close(s, ref_lse, torch.float32)
     fin = np.isfinite(ref_lse)
-    natural = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)))[1]
+    natural = oracles.merge2(*(f64(x) for x in (v_a, s_a, v_b, s_b)))[1]
     assert not np.allclose(natural[fin], ref_lse[fin])  # the base matters
 
 
@@ -138,7 +139,7 @@ def test_flashinfer_merge_state_in_place_with_mask(device):
     v, s, v_o, s_o = _states(T, 4, 64, torch.bfloat16, device, seed=10)
     mask = torch.rand(T, generator=torch.Generator().manual_seed(0)) < 0.5
     before = v.clone(), s.clone()
-    ref_out, ref_lse = reference.merge_state(*(f64(x) for x in (v, s, v_o, s_o)), lse_base=2)
+    ref_out, ref_lse = oracles.merge2(*(f64(x) for x in (v, s, v_o, s_o)), base=2)
     flashinfer.merge_state_in_place(v, s, v_o, s_o, mask=mask.to(device))
     m = mask.numpy()
     assert_close(v[mask.to(device)], ref_out[m], torch.bfloat16)
@@ -155,6 +156,6 @@ def test_flashinfer_merge_states_tnhd(device):
     v = torch.stack([st[0] for st in states], dim=1)  # [T, N, H, D]
     s = torch.stack([st[1] for st in states], dim=1)
     V, S = flashinfer.merge_states(v, s)
-    ref_out, ref_lse = reference.merge_states(f64(v.transpose(0, 1)), f64(s.transpose(0, 1)), lse_base=2)
+    ref_out, ref_lse = oracles.merge(f64(v.transpose(0, 1)), f64(s.transpose(0, 1)), base=2)
     assert_close(V, ref_out, torch.float32)
     assert_close(S, ref_lse, torch.float32)

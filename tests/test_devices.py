@@ -9,6 +9,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from conftest import run_threads
 
 import zerokv
 from zerokv.core import checks as _checks
@@ -164,15 +165,27 @@ def test_functions_are_built_once_per_device_under_concurrent_first_calls(monkey
     barrier = threading.Barrier(8)
 
     def worker(i):
-        barrier.wait()
-        assert _compiler.function(_kernels.MERGE_STATE, "k<x>", i % 2).ptr == 1000 + i % 2
+        barrier.wait(timeout=30)
+        return _compiler.function(_kernels.MERGE_STATE, "k<x>", i % 2).ptr
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    ptrs = run_threads(worker, [(i,) for i in range(8)])  # a worker's exception fails the test
+    assert ptrs == [1000 + i % 2 for i in range(8)], "a device got another device's function"
     assert sorted(built) == [("k<x>", 0), ("k<x>", 1)]
+
+
+def test_a_failing_worker_fails_the_test():
+    """The helper behind the threaded tests re-raises a worker's assert in the test (pytest alone
+    turns it into a warning), naming the worker; the others' results are not lost."""
+
+    def worker(i):
+        assert i != 5, f"worker {i} saw a wrong value"
+        return i
+
+    with pytest.raises(
+        AssertionError, match=r"1 of 8 workers failed; worker 5: .*worker 5 saw a wrong value"
+    ):
+        run_threads(worker, [(i,) for i in range(8)])
+    assert run_threads(worker, [(i,) for i in range(5)]) == list(range(5))
 
 
 def test_torch_stream_is_read_for_the_tensors_device(monkeypatch):

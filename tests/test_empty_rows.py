@@ -9,25 +9,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import oracles
 import pytest
 import torch
 from batches import KERNEL_CASES, bits, check_empty_rows, empty_rows, garbage_state, make_batch
 from conftest import DTYPES
 
 import zerokv
-from zerokv import reference
 
 
 @dataclass(frozen=True)
 class Op:
     """One op of the family: its function, the name of its emptiness argument, how to build that
-    argument from ``kv_lens`` (0 for an empty request), and its float64 reference."""
+    argument from ``kv_lens`` (0 for an empty request), and its rule as a loop over requests
+    (``oracles.py``, independent of the library)."""
 
     name: str
     fn: Callable[..., None]
     lens_name: str
     emptiness: Callable[[torch.Tensor], torch.Tensor]
-    reference: Callable[..., tuple[np.ndarray, np.ndarray]]
+    rows: Callable[..., np.ndarray]  # (cu_seqlens_q, lens, T) -> the rows that become empty
     kernel_kw: dict[str, Any] = field(default_factory=dict)  # extra keywords for the kernel tests
 
     def __call__(self, out, lse, cu_seqlens_q, lens, **kw) -> None:
@@ -45,7 +46,7 @@ OPS = [
         zerokv.fixup_zero_kv_rows,
         "kv_lens",
         lambda kv: kv,
-        lambda out, lse, cu, kv: reference.fixup_zero_kv_rows(out, lse, kv, cu),
+        oracles.fixup_rows,
         {"max_seqlen_q": 1},  # a too-small hint: it must not cause rows to be skipped
     ),
     Op(
@@ -53,26 +54,26 @@ OPS = [
         zerokv.mask_empty_context,
         "cu_seqlens_kv",
         _context_offsets,
-        lambda out, lse, cu, cu_kv: reference.mask_empty_context(out, lse, cu, cu_kv),
+        oracles.mask_rows,
     ),
 ]
 by_op = pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-# --- the CPU path: the reference, numpy, validation -------------------------------------------
+# --- the CPU path: the rule, numpy, validation -------------------------------------------
 
 
 @by_op
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("empty", ["none", "one", "all", "random"])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_cpu_path_matches_reference(op, dtype, empty, index_dtype):
+def test_cpu_path_follows_the_rule(op, dtype, empty, index_dtype):
     cu, kv = make_batch(9 + OPS.index(op) * 2, 6, empty, seed=1 + OPS.index(op), index_dtype=index_dtype)
     lens = op.emptiness(kv)
     rows = empty_rows(cu, kv)
     out, lse = garbage_state(int(cu[-1]), 3, 8, dtype, rows, "cpu", 2, lse_ht=True)
-    ref_out, ref_lse = op.reference(out.double().numpy(), lse.numpy(), cu.numpy(), lens.numpy())
+    ref_out, ref_lse = oracles.with_empty_rows(out, lse, op.rows(cu, lens, int(cu[-1])))
     before = out.clone(), lse.clone()
     op(out, lse, cu, lens)
     check_empty_rows(out, lse, *before, rows)

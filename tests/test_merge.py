@@ -1,11 +1,14 @@
-"""merge_state / merge_states: the reference semantics (CPU) and the kernels (GPU) against it."""
+"""merge_state / merge_states: the CPU path against the independent oracles (``oracles.py``: the
+CPU path runs the reference, so the reference cannot be its oracle), the reference against closed
+forms, and the kernels (GPU) against the float64 reference."""
 
 from __future__ import annotations
 
 import numpy as np
+import oracles
 import pytest
 import torch
-from conftest import DTYPES, TOL, assert_close, f64
+from conftest import DTYPES, assert_close, f64
 from states import INF, NAN, make_states
 
 import zerokv
@@ -90,7 +93,7 @@ def test_edges_on_the_cpu_path(device_kind):
 def test_prefix_rows_take_state_b_with_the_empty_rule(prefix_rows):
     v_a, s_a, v_b, s_b = make_states(20, 3, 8, torch.float32)
     out, lse = zerokv.merge_state(v_a, s_a, v_b, s_b, prefix_rows=prefix_rows)
-    ref_head = reference.merge_state(*(f64(x)[:prefix_rows] for x in (v_a, s_a, v_b, s_b)))
+    ref_head = oracles.merge2(*(f64(x)[:prefix_rows] for x in (v_a, s_a, v_b, s_b)))
     assert_close(out[:prefix_rows], ref_head[0], torch.float32)
     assert_close(lse[:prefix_rows], ref_head[1], torch.float32)
     tail = slice(prefix_rows, None)
@@ -102,7 +105,7 @@ def test_prefix_rows_take_state_b_with_the_empty_rule(prefix_rows):
 
 def test_in_place_aliasing_cpu():
     v_a, s_a, v_b, s_b = make_states(16, 2, 8, torch.float32)
-    ref = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
+    ref = oracles.merge2(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=v_a, out_lse=s_a)
     assert_close(v_a, ref[0], torch.float32)
     assert_close(s_a, ref[1], torch.float32)
@@ -119,7 +122,7 @@ def test_out_without_out_lse_writes_no_lse(device):
     out = buf[: T * H * D].view(T, H, D)
     res = zerokv.merge_state(v_a, s_a, v_b, s_b, out=out)
     assert res[0] is out and res[1] is None
-    ref_out, _ = reference.merge_state(*(f64(x) for x in kept))
+    ref_out, _ = oracles.merge2(*(f64(x) for x in kept))
     assert_close(out, ref_out, torch.float32, "out")
     tail = buf[T * H * D :].view(torch.int32)
     assert torch.equal(tail, torch.full_like(buf[:1], NAN).view(torch.int32).expand_as(tail)), (
@@ -138,14 +141,15 @@ def test_a_empty_treats_requests_state_a_as_empty_cpu():
     out, lse = zerokv.merge_state(v_a, s_a, v_b, s_b, a_empty=(cu, kv))
     assert torch.equal(out[:3], v_b[:3]) and torch.equal(lse[:3], s_b[:3])
     assert torch.equal(out[8:], v_b[8:])
-    ref = reference.merge_state(*(f64(x)[3:8] for x in (v_a, s_a, v_b, s_b)))
+    ref = oracles.merge2(*(f64(x)[3:8] for x in (v_a, s_a, v_b, s_b)))
     assert_close(out[3:8], ref[0], torch.float32)
+    assert_close(lse[3:8], ref[1], torch.float32)
 
 
 def test_merge_states_equals_pairwise_merge_cpu():
     v_a, s_a, v_b, s_b = make_states(10, 3, 8, torch.float32)
     out, lse = zerokv.merge_states(torch.stack([v_a, v_b]), torch.stack([s_a, s_b]))
-    ref = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
+    ref = oracles.merge2(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
     assert_close(out, ref[0], torch.float32)
     assert_close(lse, ref[1], torch.float32)
 
@@ -254,15 +258,14 @@ def test_sinks_match_the_reference(device, base, op):
     sinks = torch.randn(H, generator=torch.Generator().manual_seed(4)) * 3
     sinks[0], sinks[1] = -INF, INF
     sinks = sinks.to(device)
+    # the CPU path runs the reference: its oracle is the independent one
+    ref = oracles.merge if device == "cpu" else reference.merge_states
+    v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
     if op == "merge_state":
         out, lse = zerokv.merge_state(v_a, s_a, v_b, s_b, lse_base=base, sinks=sinks)
-        ref_out, ref_lse = reference.merge_state(
-            *(f64(x) for x in (v_a, s_a, v_b, s_b)), lse_base=base, sinks=f64(sinks)
-        )
     else:
-        v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
         out, lse = zerokv.merge_states(v, s, lse_base=base, sinks=sinks)
-        ref_out, ref_lse = reference.merge_states(f64(v), f64(s), base, f64(sinks))
+    ref_out, ref_lse = ref(f64(v), f64(s), base, f64(sinks))
     assert_close(out, ref_out, torch.bfloat16, "out")
     assert_close(lse, ref_lse, torch.float32, "lse")
 
@@ -495,14 +498,26 @@ def test_a_empty_gpu_matches_cpu_path(index_dtype):
     assert q_lens[-1] >= 0
     cu = torch.cat([torch.zeros(1, dtype=torch.long), q_lens.cumsum(0)]).to(index_dtype)
     kv = torch.randint(0, 3, (120,), generator=g).to(index_dtype)
-    s_a_garbage = s_a.clone()
+    # state a of the a-empty rows as an attention kernel leaves it: a finite garbage LSE (larger
+    # than b's, so that using it would show) and V of NaN and Inf
+    rows = torch.from_numpy(reference.rows_with_empty_a(cu.numpy(), kv.numpy(), T))
+    assert 0 < int(rows.sum()) < T
+    s_a_garbage, v_a_garbage = s_a.clone(), v_a.clone()
+    s_a_garbage[rows.cuda()] = 30.0
+    v_a_garbage[rows.cuda()] = NAN
+    v_a_garbage[rows.cuda(), :, ::3] = INF
     out = torch.full_like(v_a, NAN)
     lse = torch.full_like(s_a, NAN)
-    zerokv.merge_state(v_a, s_a_garbage, v_b, s_b, out=out, out_lse=lse, a_empty=(cu.cuda(), kv.cuda()))
-    cpu_out, cpu_lse = zerokv.merge_state(*(x.cpu() for x in (v_a, s_a, v_b, s_b)), a_empty=(cu, kv))
-    atol, rtol = TOL[torch.bfloat16]
-    torch.testing.assert_close(out.cpu(), cpu_out, atol=atol, rtol=rtol, equal_nan=True)
-    torch.testing.assert_close(lse.cpu(), cpu_lse, atol=1e-5, rtol=1e-5, equal_nan=True)
+    zerokv.merge_state(
+        v_a_garbage, s_a_garbage, v_b, s_b, out=out, out_lse=lse, a_empty=(cu.cuda(), kv.cuda())
+    )
+    inputs = (v_a_garbage, s_a_garbage, v_b, s_b)
+    ref_out, ref_lse = reference.merge_state(*(f64(x) for x in inputs), a_empty_rows=rows.numpy())
+    assert_close(out, ref_out, torch.bfloat16, "out")
+    assert_close(lse, ref_lse, torch.float32, "lse")
+    cpu_out, cpu_lse = zerokv.merge_state(*(x.cpu() for x in inputs), a_empty=(cu, kv))
+    assert_close(out, f64(cpu_out), torch.bfloat16, "out: GPU vs CPU", roundings=2)
+    assert_close(lse, f64(cpu_lse), torch.float32, "lse: GPU vs CPU", roundings=2)
 
 
 @pytest.mark.gpu
@@ -510,7 +525,7 @@ def test_fp8_output_with_scale():
     fp8 = torch.float8_e4m3fn
     v_a, s_a, v_b, s_b = make_states(512, 8, 128, torch.bfloat16, "cuda", seed=17, edges=False)
     scale = torch.tensor([0.01], device="cuda")
-    out = torch.empty(512, 8, 128, dtype=fp8, device="cuda")
+    out = torch.full((512, 8, 128), NAN, device="cuda").to(fp8)  # e4m3fn's NaN: unwritten shows
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_scale=scale)
     ref, _ = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
     expected = torch.from_numpy(np.clip(ref / 0.01, -448, 448)).float()

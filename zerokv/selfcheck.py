@@ -1,13 +1,16 @@
-"""The self-check behind ``python -m zerokv``: every op against the float64 reference.
+"""The self-check behind ``python -m zerokv``: every op against what it must compute.
 
-Always: each op on the CPU path (numpy in, the reference semantics out). On a GPU: each op per
-dtype on random data, with µs and GB/s, and an fp8-output merge. Without one: every kernel
-instantiation compiled through NVRTC for sm_80 and sm_90 (the two fp8 conversions), the result
-cached so that a second run compiles nothing.
+Always: each op on the CPU path (numpy in) against attention computed directly over keys split
+into chunks and against closed forms (not against the float64 reference, which the CPU path
+runs). On a GPU: each op per dtype on random data against the reference, with µs and GB/s, and
+an fp8-output merge. Without one: every kernel instantiation compiled through NVRTC for sm_80 and
+sm_90 (the two fp8 conversions), cached so that a second run compiles nothing; with neither a GPU
+nor NVRTC nothing on a GPU path can be checked, and the self-check fails saying what to install.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
 from importlib import metadata
@@ -44,6 +47,8 @@ HEADER = f"{'op':22s} {'dtype':15s} {'shape':16s} {'max error':>10s} {'limit':>8
 def gpu_available() -> bool:
     from .core import disk_cache as _cache
 
+    if "cupy" not in sys.modules and importlib.util.find_spec("cupy") is None:
+        return False  # no CuPy: no GPU path, and no CuPy cache directory to make
     _cache.check_cupy_cache_dir()  # a cache directory that cannot be made: an error, not "no GPU"
     try:
         import cupy
@@ -84,43 +89,118 @@ def _err(out, ref_out, lse, ref_lse) -> float:
     return max(reference.max_error(out, ref_out), reference.max_error(lse, ref_lse))
 
 
-# --- the CPU path -----------------------------------------------------------------------------
+# --- the CPU path: against attention over all keys and closed forms, not the reference ---------
+# (the CPU path runs the reference: comparing the two would check nothing)
 
 
-def _cases(rng: np.random.Generator, T: int, H: int, D: int):
-    v = rng.standard_normal((2, T, H, D)).astype(np.float32)
-    s = (rng.standard_normal((2, T, H)) * 3).astype(np.float32)
-    s[0, :: max(1, T // 7)] = -np.inf  # some empty prefix rows ...
-    v[0, :: max(1, T // 7)] = np.nan  # ... whose V is garbage that must not be read
-    s[1, 3 % T] = np.inf  # FA2's empty marker
-    kv_lens = np.array([0, 5, 0, 2], dtype=np.int32)
-    cu_q = np.array([0, T // 4, T // 2, 3 * T // 4, T], dtype=np.int32)
-    cu_kv = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int32)
-    return v, s, kv_lens, cu_q, cu_kv
+def _attention(q, k, v, base: float, sink=None):
+    """float64 softmax attention of ``q [T, H, E]`` over ``k [L, H, E]``, ``v [L, H, D]`` with
+    logits in units of ``base``; a sink is one more logit of value zero; no keys: (0, -inf)."""
+    x = np.einsum("the,lhe->thl", q, k) * np.log(base) / np.sqrt(q.shape[-1])
+    vals = np.moveaxis(v, 0, 1)  # [H, L, D]
+    if sink is not None:
+        x = np.concatenate([x, np.broadcast_to(sink * np.log(base), x.shape[:2])[..., None]], -1)
+        vals = np.concatenate([vals, np.zeros_like(vals[:, :1])], 1)
+    if x.shape[-1] == 0:
+        return np.zeros((*q.shape[:2], v.shape[-1])), np.full(q.shape[:2], -np.inf)
+    top = x.max(-1, keepdims=True)
+    p = np.exp(x - top)
+    z = p.sum(-1, keepdims=True)
+    return np.einsum("thl,hld->thd", p / z, vals), (top[..., 0] + np.log(z[..., 0])) / np.log(base)
 
 
-def run_cpu(T: int = 257, H: int = 4, D: int = 72) -> list[Row]:
+def _split_keys_errors(rng: np.random.Generator) -> tuple[float, float]:
+    """Attention over keys in chunks (one empty as (0, -inf), one as FA2 leaves it: +inf with NaN
+    V), merged by merge_states and by a chain of merge_state, both LSE bases, sinks, against
+    attention over all keys at once: the defining property of an LSE merge."""
     import zerokv
 
+    T, H, D, L = 9, 3, 12, 40
+    q, k = rng.standard_normal((T, H, 8)) * 2, rng.standard_normal((L, H, 8)) * 2
+    v, sink = rng.standard_normal((L, H, D)), rng.standard_normal(H)
+    errs = [0.0, 0.0]
+    for base in (np.e, 2.0):
+        states = [_attention(q, k[lo:hi], v[lo:hi], base) for lo, hi in ((0, 0), (0, 13), (13, 13), (13, L))]
+        states[2] = (np.full((T, H, D), np.nan), np.full((T, H), np.inf))
+        vs = np.stack([s[0] for s in states]).astype(np.float32)
+        ss = np.stack([s[1] for s in states]).astype(np.float32)
+        want_o, want_s = _attention(q, k, v, base, sink)
+        lse_base = "e" if base == np.e else 2
+        sinks = sink.astype(np.float32)
+        o, s = zerokv.merge_states(vs, ss, lse_base=lse_base, sinks=sinks)
+        errs[1] = max(errs[1], _err(o, want_o, s, want_s))
+        o, s = vs[0], ss[0]
+        for i in range(1, len(vs)):
+            o, s = zerokv.merge_state(o, s, vs[i], ss[i], lse_base=lse_base, sinks=sinks if i == 3 else None)
+        errs[0] = max(errs[0], _err(o, want_o, s, want_s))
+    return errs[0], errs[1]
+
+
+def _closed_form_error() -> float:
+    """merge_state on one row each, worked by hand: equal LSEs halve, ln 3 against 0 weighs 3:1,
+    base 2, an empty a (-inf or +inf) with NaN V gives b, both empty (0, -inf), NaN propagates;
+    prefix_rows=4 (row 4: b alone, b +inf -> (0, -inf)), a_empty (row 5), a sink at the LSE."""
+    import zerokv
+
+    n, ln2, ln3 = np.nan, np.log(2.0), np.log(3.0)
+    va, vb = np.array([1.0, 2.0]), np.array([10.0, 20.0])
+    # (s_a, s_b, v_a, v_b, expected out, expected lse) for rows 0-5
+    rows = [
+        (0.0, 0.0, va, vb, (va + vb) / 2, ln2),
+        (ln3, 0.0, va, vb, 0.75 * va + 0.25 * vb, 2 * ln2),
+        (np.inf, 1.5, [n, n], vb, vb, 1.5),
+        (n, 0.0, va, vb, [n, n], n),
+        (5.0, np.inf, va, [n, n], [0.0, 0.0], -np.inf),
+        (7.0, -0.5, [n, n], vb, vb, -0.5),
+    ]
+    v_a, v_b, want_o = (np.array([r[i] for r in rows], np.float32)[:, None] for i in (2, 3, 4))
+    s_a, s_b, want_s = (np.array([[r[i]] for r in rows], np.float32) for i in (0, 1, 5))
+    cu, kv = np.array([0, 5, 6]), np.array([3, 0])
+    o, s = zerokv.merge_state(v_a, s_a, v_b, s_b, prefix_rows=4, a_empty=(cu, kv))
+    err = _err(o, want_o, s, want_s)
+    o, s = zerokv.merge_state(
+        v_a[:1], s_a[:1], v_b[:1], np.full_like(s_b[:1], -np.inf), sinks=np.zeros(1, np.float32)
+    )
+    err = max(err, _err(o, v_a[:1] / 2, s, np.full((1, 1), ln2)))  # sink 0 at LSE 0: half, ln 2
+    o, s = zerokv.merge_state(v_a[:1], s_a[:1], v_b[:1], s_b[:1], lse_base=2)
+    return max(err, _err(o, (v_a[:1] + v_b[:1]) / 2, s, np.ones((1, 1))))  # base 2: LSE 0 + 1
+
+
+def _empty_rows_error(op: str) -> float:
+    """Requests at rows [0, 2), [2, 2), [2, 5), [5, 6) of 7 (row 6 in none); requests 0 and 2
+    empty (kv_lens 0; context spans [3, 3) and [5, 4)): rows 0-4 become (0, -inf), 5-6 stay."""
+    import zerokv
+
+    rng = np.random.default_rng(1)
+    out, lse = (
+        rng.standard_normal((7, 2, 3)).astype(np.float32),
+        rng.standard_normal((7, 2)).astype(np.float32),
+    )
+    out[:5] = np.nan
+    want_o, want_s = out.astype(np.float64), lse.astype(np.float64)
+    want_o[:5], want_s[:5] = 0.0, -np.inf
+    cu = np.array([0, 2, 2, 5, 6], np.int32)
+    if op == "fixup_zero_kv_rows":
+        zerokv.fixup_zero_kv_rows(out, lse, np.array([0, 3, 0, 1], np.int32), cu)
+    else:
+        zerokv.mask_empty_context(out, lse, cu, np.array([3, 3, 5, 4, 9], np.int32))
+    exact = np.array_equal(out, want_o, equal_nan=True) and np.array_equal(lse, want_s)
+    return 0.0 if exact else float("inf")  # writes exact zeros and -inf, copies the rest
+
+
+def run_cpu() -> list[Row]:
+    """Each op on the CPU path (numpy in, float32 out) against attention computed directly over
+    split keys and against closed forms: a broken reference fails here."""
     rng = np.random.default_rng(0)
-    v, s, kv_lens, cu_q, cu_kv = _cases(rng, T, H, D)
-    shape, tol = f"{T}x{H}x{D}", 1e-5
-    rows = []
-    out, lse = zerokv.merge_state(v[0], s[0], v[1], s[1])
-    ro, rl = reference.merge_state(v[0], s[0], v[1], s[1])
-    rows.append(Row("merge_state", "float32", shape, _err(out, ro, lse, rl), tol))
-    out, lse = zerokv.merge_states(v, s)
-    ro, rl = reference.merge_states(v, s)
-    rows.append(Row("merge_states", "float32", f"2x{shape}", _err(out, ro, lse, rl), tol))
-    o, ls = v[1].copy(), s[1].copy()
-    zerokv.fixup_zero_kv_rows(o, ls, kv_lens, cu_q)
-    ro, rl = reference.fixup_zero_kv_rows(v[1], s[1], kv_lens, cu_q)
-    rows.append(Row("fixup_zero_kv_rows", "float32", shape, _err(o, ro, ls, rl), tol))
-    o, ls = v[1].copy(), s[1].copy()
-    zerokv.mask_empty_context(o, ls, cu_q, cu_kv)
-    ro, rl = reference.mask_empty_context(v[1], s[1], cu_q, cu_kv)
-    rows.append(Row("mask_empty_context", "float32", shape, _err(o, ro, ls, rl), tol))
-    return rows
+    chain, n_way = _split_keys_errors(rng)
+    closed = _closed_form_error()
+    tol = 1e-5  # float32 inputs and output: a few float32 roundings of values of order one
+    return [
+        Row("merge_state", "float32", "split keys+forms", max(chain, closed), tol),
+        Row("merge_states", "float32", "split keys", n_way, tol),
+        Row("fixup_zero_kv_rows", "float32", "7x2x3", _empty_rows_error("fixup_zero_kv_rows"), 0.0),
+        Row("mask_empty_context", "float32", "7x2x3", _empty_rows_error("mask_empty_context"), 0.0),
+    ]
 
 
 # --- the GPU ----------------------------------------------------------------------------------
@@ -249,8 +329,8 @@ def offline_compile() -> tuple[str, bool]:
         _offline.nvrtc_version()
     except _offline.NvrtcLibraryError as e:  # a broken install: nothing can compile here
         return f"FAILED: {e}", False
-    except ImportError as e:  # no cuda-bindings: the CPU path alone is still usable
-        return f"offline compile skipped: {e}", True
+    except ImportError as e:  # no cuda-bindings: nothing on a GPU path can be checked here
+        return f"FAILED: nothing checked on a GPU path: no CUDA GPU, and {e}", False
     total, cached, failed = 0, 0, []
     for arch in OFFLINE_ARCHS:
         for _, results in _offline.compile_arch(arch):
@@ -277,7 +357,9 @@ def main() -> int:
     ok = True
     t = time.perf_counter()
     rows = run_cpu()
-    print(f"CPU path (numpy in, the reference semantics), {time.perf_counter() - t:.2f} s")
+    print(
+        f"CPU path (numpy in) against attention over split keys and closed forms, {time.perf_counter() - t:.2f} s"
+    )
     print(HEADER)
     print("\n".join(str(r) for r in rows))
     if gpu_available():
