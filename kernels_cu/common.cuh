@@ -155,10 +155,14 @@ __device__ __forceinline__ void store_pack_if(bool pred, T* p, const Pack<T, VEC
   } else if constexpr (B == 4) {
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.u32 [%0], %1;\n}"
                  ::"l"(p), "r"(w[0]), "r"((int)pred) : "memory");
-  } else {
-    static_assert(B == 2, "a pack of 2, 4, 8 or 16k bytes");
+  } else if constexpr (B == 2) {
     const unsigned short u = *reinterpret_cast<const unsigned short*>(&x);
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.u16 [%0], %1;\n}"
+                 ::"l"(p), "h"(u), "r"((int)pred) : "memory");
+  } else {
+    static_assert(B == 1, "a pack of 1, 2, 4, 8 or 16k bytes");
+    const unsigned short u = *reinterpret_cast<const unsigned char*>(&x);
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.u8 [%0], %1;\n}"
                  ::"l"(p), "h"(u), "r"((int)pred) : "memory");
   }
 }

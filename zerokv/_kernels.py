@@ -119,13 +119,47 @@ MERGE_STATE = Kernel(
     ),
 )
 
+# Option features of the tuned merge forms (FEAT, their last template argument; kernels_cu/merge.cu):
+# a bitmask, absent (0) for the plain call. Each feature comes alone on the forms of every size
+# class, for inputs and output of one dtype (fp8 outputs: from each input dtype); calls with
+# several options, or another pair of dtypes, take merge_state_kernel.
+F_A_EMPTY, F_A64, F_SINKS, F_ROW_MASK, F_OUT_SCALE, F_GROUP_FP8 = 1, 2, 4, 8, 16, 32
+SAME_DTYPE_FEATURES = (F_A_EMPTY, F_A_EMPTY | F_A64, F_SINKS, F_ROW_MASK)
+FP8_FEATURES = (F_OUT_SCALE, F_GROUP_FP8)
+_FP8 = _dtypes.ctype("float8_e4m3fn")
+
+
+def feature_pairs(ci: str) -> list[tuple[str, int]]:
+    """(output C type, FEAT) of every option feature instantiated for input C type ``ci``."""
+    return [(ci, f) for f in SAME_DTYPE_FEATURES] + [(_FP8, f) for f in FP8_FEATURES]
+
+
+def feature_small(feat: int, small: int) -> int:
+    """The SMALL argument of merge_state_flat_kernel for a call with option features: only
+    a_empty's code differs between the one-wave and the many-waves forms (v_a loaded with v_b,
+    or after the request search), so the other features exist with SMALL = 1 alone."""
+    return small if feat & F_A_EMPTY else 1
+
+
+_OPTION_PARAMS = (
+    " ptr a_cu, ptr a_lens, i32 a_batch, ptr row_mask, ptr sinks, ptr out_scale,"
+    " ptr bscale, i32 bs_st, i32 bs_sg, i32 g_shr, i32 ue8m0"
+)
+
 # The common call in its smallest form: one thread per pack, 32-bit parameters (kernels_cu/merge.cu).
 MERGE_STATE_FLAT = Kernel(
     stem="merge",
     name="merge_state_flat_kernel",
-    # no fp8 output; SMALL: 1 for grids of one wave (merge.py picks)
+    # plain: no fp8 output; SMALL: 1 for grids of one wave (merge.py picks); then the options
     instances=tuple(
         (ci, co, v, small) for ci, i in _V for co, _ in _V for v in (1, vec(i)) for small in (0, 1)
+    )
+    + tuple(
+        (ci, co, v, small, f)
+        for ci, i in _V
+        for co, f in feature_pairs(ci)
+        for v in (1, vec(i))
+        for small in sorted({feature_small(f, 0), 1})
     ),
     block=128,
     params=_params(
@@ -133,7 +167,7 @@ MERGE_STATE_FLAT = Kernel(
         " u32 packs_mul, i32 packs_shr, u32 H_mul, i32 H_shr,"
         " i32 sa_st, i32 sa_sh, i32 sb_st, i32 sb_sh, i32 va_st, i32 va_sh, i32 vb_st, i32 vb_sh,"
         " i32 out_st, i32 out_sh, i32 ol_st, i32 ol_sh, i32 prefix_rows, i32 suffix_verbatim,"
-        " f32 k, f32 inv_k"
+        " f32 k, f32 inv_k," + _OPTION_PARAMS
     ),
 )
 
@@ -149,6 +183,12 @@ MERGE_STATE_HEADS = Kernel(
         for ci, i in _V
         for co, _ in _V
         for v in (vec(i), *((vec(i) // 2,) if vec(i) == 8 else ()))
+    )
+    + tuple(
+        (ci, co, v, f)
+        for ci, i in _V
+        for co, f in feature_pairs(ci)
+        for v in (vec(i), *((vec(i) // 2,) if i == "bfloat16" else ()))
     ),
     block=128,
     params=tuple(
@@ -162,7 +202,8 @@ MERGE_STATE_HEADS = Kernel(
 MERGE_STATE_FLAT_GATHERED = Kernel(
     stem="merge",
     name="merge_state_flat_gathered_kernel",
-    instances=tuple((ci, co, vec(i), tile) for ci, i in _V for co, _ in _V for tile in (0, 1)),
+    instances=tuple((ci, co, vec(i), tile) for ci, i in _V for co, _ in _V for tile in (0, 1))
+    + tuple((ci, co, vec(i), tile, f) for ci, i in _V for co, f in feature_pairs(ci) for tile in (0, 1)),
     block=512,
     params=MERGE_STATE_FLAT.params,
 )
@@ -171,9 +212,12 @@ MERGE_STATE_FLAT_GATHERED = Kernel(
 MERGE_STATE_FLAT64_GATHERED = Kernel(
     stem="merge",
     name="merge_state_flat64_gathered_kernel",
-    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V),
+    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V)
+    + tuple((ci, co, vec(i), f) for ci, i in _V for co, f in feature_pairs(ci)),
     block=512,
-    params=tuple((n, "i64" if n.endswith(("_st", "_sh")) else c) for n, c in MERGE_STATE_FLAT.params),
+    params=tuple(
+        (n, "i64" if n.endswith(("_st", "_sh", "_sg")) else c) for n, c in MERGE_STATE_FLAT.params
+    ),
 )
 
 MERGE_STATES = Kernel(
