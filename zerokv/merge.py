@@ -302,7 +302,7 @@ class _MergePlan:
             launch(
                 blocks, stream, pa, pb, psa, psb, po, pl, T * H, H, packs, *div(packs), *div(H),
                 ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1], stb[0], stb[1], sto[0], sto[1],
-                stl[0], stl[1], prefix, verbatim, self.k, self.inv_k,
+                stl[0], stl[1], prefix, verbatim, self.k, self.inv_k, *_NO_OPTIONS,
             )  # fmt: skip
         except struct.error:
             return False
@@ -328,7 +328,7 @@ class _MergePlan:
                 -(-H * packs // _HEADS_BLOCK), stream, pa, pb, psa, psb, po, pl,
                 H, packs, packs.bit_length() - 1, ssa[0], ssa[1], ssb[0], ssb[1], sta[0], sta[1],
                 stb[0], stb[1], sto[0], sto[1], stl[0], stl[1], prefix, verbatim, self.k, self.inv_k,
-                grid_y=T,
+                *_NO_OPTIONS, grid_y=T,
             )  # fmt: skip
         except struct.error:
             return False
@@ -568,6 +568,8 @@ def _fast_checks_two(f: list, prefix_rows: Any) -> bool:
 
 
 _INT32 = 1 << 31
+# the tuned forms' option parameters (a_empty, row mask, sinks, fp8 scales) of a plain call
+_NO_OPTIONS = (0,) * 11
 _FLAT_BLOCK = _kernels.MERGE_STATE_FLAT.block
 # Aligned calls of at least this many threads (one per pack), and every wide call (64-bit
 # offsets), take the flat kernel in blocks of 512 with the output LSE gathered through shared
