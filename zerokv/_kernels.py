@@ -215,9 +215,7 @@ MERGE_STATE_FLAT64_GATHERED = Kernel(
     instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V)
     + tuple((ci, co, vec(i), f) for ci, i in _V for co, f in feature_pairs(ci)),
     block=512,
-    params=tuple(
-        (n, "i64" if n.endswith(("_st", "_sh", "_sg")) else c) for n, c in MERGE_STATE_FLAT.params
-    ),
+    params=tuple((n, "i64" if n.endswith(("_st", "_sh", "_sg")) else c) for n, c in MERGE_STATE_FLAT.params),
 )
 
 MERGE_STATES = Kernel(
