@@ -66,6 +66,7 @@ constexpr int F_SINKS = 4;      // attention sinks [H]
 constexpr int F_ROW_MASK = 8;   // rows with mask 0 are not touched
 constexpr int F_OUT_SCALE = 16; // fp8 output, merged / *out_scale
 constexpr int F_GROUP_FP8 = 32; // fp8 output with a float32 scale per group of 2^g_shr packs
+constexpr int F_A_SKIP = 64;    // with F_A_EMPTY: v_a loaded after the request search, only where used
 
 template <typename I> struct Opts {
   const void* a_cu;  // [a_batch + 1] cu_seqlens_q
@@ -136,6 +137,27 @@ __device__ __forceinline__ float div_rn(float x, float y) {
   float q;
   asm("div.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(x), "f"(y));
   return q;
+}
+
+// x[j] / d correctly rounded (as div.rn) for a positive normal d, in three instructions a value:
+// y = 1 / d correctly rounded (once), q = x y, r = x - q d (exact, an FMA), q + r y rounded is
+// x / d rounded (Markstein's theorem; r = 0: q is exact, kept as it is for its sign of zero).
+// d = inf or NaN (a group holding inf or NaN) takes div.rn itself.
+template <int VEC>
+__device__ __forceinline__ void divide_rn(float* x, float d) {
+  if (d < __int_as_float(0x7f800000)) {
+    float y;
+    asm("rcp.rn.f32 %0, %1;" : "=f"(y) : "f"(d));
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float q = x[j] * y;
+      const float r = fmaf(-q, d, x[j]);
+      x[j] = r != 0.f ? fmaf(r, y, q) : q;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) x[j] = div_rn(x[j], d);
+  }
 }
 
 // Row groups. Row (t, h) (numbered t * H + h, the order of V in memory) is merged by `lanes`
@@ -369,22 +391,21 @@ __device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d
   return c;
 }
 
-// merge_pack with the option features of FEAT (nonzero). SKIP_A (with F_A_EMPTY): the row's
-// request is looked up before v_a is loaded, and a row whose state a is not used (its request
-// empty, or past prefix_rows) does not load it: in grids of many waves, where the bytes are
-// the cost and other warps hide the search. Otherwise (grids of one wave, latency-bound) v_a
-// is loaded with v_b and the search runs while the loads are in flight (the contract lets a
-// kernel load an empty input's V; it is selected away, never used). keep: the row is written
-// (row mask). The two empty rules of the plain call hold: an unused state's V is dropped by a
-// select, never multiplied by zero.
-template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, bool SKIP_A, typename I>
+// merge_pack with the option features of FEAT (nonzero). a_empty: v_a is loaded with v_b and the
+// request search runs while the loads are in flight (the contract lets a kernel load an empty
+// input's V; it is selected away, never used); with F_A_SKIP the search comes first and a row
+// whose state a is not used (its request empty, or past prefix_rows) does not load v_a: fewer
+// bytes, but the search's chain of dependent loads before the v_a load measured 11-15 % slower
+// on an H200 at T = 2048-8192 with 25-50 % empty requests (bench/NOTES.md). keep: the row is
+// written (row mask). An unused state's V is dropped by a select, never multiplied by zero.
+template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I>
 __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, int p, int T, int packs,
                                                   const Tin* va, const Tin* vb, const float* sa, const float* sb,
                                                   Tout* out, I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh,
                                                   I vb_st, I vb_sh, I out_st, I out_sh, int prefix_rows,
                                                   int suffix_verbatim, float k, float inv_k, const Opts<I>& o,
                                                   bool& keep) {
-  constexpr bool A_EMPTY = FEAT & F_A_EMPTY, LATE_A = A_EMPTY && SKIP_A;
+  constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0, LATE_A = A_EMPTY && (FEAT & F_A_SKIP) != 0;
   const I t = t32, h = h32, d = p * VEC;
   Pack<Tin, VEC> a;
   const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
@@ -419,8 +440,7 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
   Tout* po = out + (t * out_st + h * out_sh + d);
   if constexpr ((FEAT & F_GROUP_FP8) != 0) {
     const float scale = group_scale<VEC, BLOCK>(acc, o.g_shr, o.ue8m0);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] = div_rn(acc[j], scale);
+    divide_rn<VEC>(acc, scale);
     store_pack_if<Tout, VEC>(keep, po, convert_pack<Tout, VEC>(acc, 1.f));
     const int g = p >> o.g_shr;
     const I at = t * o.bs_st + ((I)h32 * (I)(packs >> o.g_shr) + (I)g) * o.bs_sg;
@@ -454,8 +474,7 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
 // row's pack-0 thread. TILE: rows in tiles of 8 tokens (flat_token), for an out_lse laid [H, T].
 //
 // FEAT (option features, nonzero): merge_pack_opt; no early return (the per-group scales' shuffles
-// need every thread of the warp), so SMALL does not matter; v_a after the request search in the
-// many-waves forms (GATHER, or SMALL = 0), with v_b in the one-wave form.
+// need every thread of the warp), so SMALL does not matter.
 template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I, bool GATHER = false,
           bool TILE = false, int FEAT = 0>
 __device__ __forceinline__ void merge_flat(
@@ -483,7 +502,7 @@ __device__ __forceinline__ void merge_flat(
                                       inv_k);
   } else {
     const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
-    c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, GATHER || !SMALL, I>(
+    c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, I>(
         live, t32, h32, p, T, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
         out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep);
   }
@@ -549,8 +568,8 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state
   if constexpr (FEAT == 0) {
     c = merge_pack<Tin, Tout, VEC, int>(live, t, h, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st,
                                         va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k);
-  } else {  // one wave at most: v_a loaded with v_b (merge_pack_opt)
-    c = merge_pack_opt<Tin, Tout, VEC, FEAT, ZK_BLOCK_merge_state_heads_kernel, false, int>(
+  } else {
+    c = merge_pack_opt<Tin, Tout, VEC, FEAT, ZK_BLOCK_merge_state_heads_kernel, int>(
         live, t, h, p, (int)gridDim.y, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st,
         vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k,
         Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0}, keep);
@@ -562,7 +581,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state
 // (store_lse_gathered); its SMALL = 1 form (no early return), which measured even with SMALL = 0
 // on these grids. TILE = 1 for an out_lse laid [H, T] (merge.py).
 template <typename Tin, typename Tout, int VEC, int TILE, int FEAT = 0>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel) merge_state_flat_gathered_kernel(
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel, FEAT ? 4 : 0) merge_state_flat_gathered_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs,
     unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
