@@ -249,7 +249,7 @@ __device__ __forceinline__ i64 clip_row(i64 x, i64 T) { return x < 0 ? 0 : (x > 
 // Whether row t belongs to a request flagged empty by lens[q] == 0. The request is the one a
 // binary search over cu (B + 1 entries) finds; for non-decreasing offsets, the r with
 // cu[r] <= t < cu[r + 1]. Its span is clipped to [0, T): a row no request covers is not empty.
-// B = 0 reads nothing. The CPU path (zerokv/_host.py) applies the same search.
+// B = 0 reads nothing. The CPU path (zerokv/core/cpu_path.py) applies the same search.
 __device__ __forceinline__ bool row_in_empty_request(const void* cu, const void* lens, int is64, i64 B, i64 T,
                                                      i64 t) {
   if (B <= 0) return false;
@@ -282,7 +282,7 @@ __device__ __forceinline__ float fast_log2(float x) {
 
 // n / d for n < 2^31 by a multiply-high and a shift instead of a division (~25 dependent
 // instructions before the first load of a small, latency-bound kernel). mul and shr come from
-// the host (zerokv._kernels.fast_divisor); mul == 0 stands for d == 1.
+// the host (zerokv.core.kernels.fast_divisor); mul == 0 stands for d == 1.
 __device__ __forceinline__ unsigned fast_div(unsigned n, unsigned mul, int shr) {
   return mul ? __umulhi(n, mul) >> shr : n;
 }

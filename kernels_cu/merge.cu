@@ -518,7 +518,7 @@ __device__ __forceinline__ void merge_flat(
 }
 
 // The entry points of merge_flat, one per block size and index width. Each spells its
-// parameters out: tests/test_kernels.py holds the descriptions in zerokv/_kernels.py against
+// parameters out: tests/test_kernels.py holds the descriptions in zerokv/core/kernels.py against
 // this text.
 template <typename Tin, typename Tout, int VEC, int SMALL, int FEAT = 0>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_flat_kernel(

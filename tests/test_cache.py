@@ -1,4 +1,4 @@
-"""zerokv/_cache.py: zerokv's cache entries, and CuPy's kernel cache when it cannot be written."""
+"""zerokv/core/disk_cache.py: zerokv's cache entries, and CuPy's kernel cache when it cannot be written."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from zerokv import _cache
+from zerokv.core import disk_cache as _cache
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +132,8 @@ def test_a_kernel_compiles_and_runs_with_a_read_only_cupy_cache(monkeypatch, tmp
     import cupy
     from cupy.cuda import compiler
 
-    from zerokv import _kernels, _runtime
+    from zerokv.core import kernels as _kernels
+    from zerokv.core import runtime as _runtime
 
     out = cupy.full(32, float("nan"), dtype=cupy.float32)  # CuPy's own fill kernel, compiled first
     _cache.guard_cupy_cache()

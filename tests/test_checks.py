@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from zerokv import _checks
-from zerokv._tensors import Tensor, view
+from zerokv.core import checks as _checks
+from zerokv.core.tensors import Tensor, view
 
 GPU_PTR = 0x7F00_0000_0000  # a device-like address: nothing at it is ever read
 

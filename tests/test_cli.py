@@ -10,8 +10,11 @@ import sys
 import pytest
 
 import zerokv
-from zerokv import _kernels, _offline, _runtime, selfcheck
+from zerokv import selfcheck
 from zerokv.__main__ import main
+from zerokv.core import kernels as _kernels
+from zerokv.core import offline as _offline
+from zerokv.core import runtime as _runtime
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
@@ -192,7 +195,7 @@ def test_unwritable_cache_warns_once_and_compiles(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEROKV_CACHE_DIR", str(blocker / "cache"))  # under a file: never creatable
     exprs = _kernels.instantiations()["empty_rows"][:1]
     monkeypatch.setattr(_kernels, "instantiations", lambda: {"empty_rows": exprs})
-    from zerokv import _cache
+    from zerokv.core import disk_cache as _cache
 
     monkeypatch.setattr(_cache, "_warned", set())
     with pytest.warns(RuntimeWarning, match="cannot write its cache") as record:

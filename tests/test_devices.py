@@ -11,7 +11,11 @@ import pytest
 import torch
 
 import zerokv
-from zerokv import _checks, _kernels, _plans, _runtime, _tensors
+from zerokv.core import checks as _checks
+from zerokv.core import kernels as _kernels
+from zerokv.core import plans as _plans
+from zerokv.core import runtime as _runtime
+from zerokv.core import tensors as _tensors
 
 
 class _OnDevice:

@@ -12,7 +12,9 @@ from conftest import f64
 from states import make_states
 
 import zerokv
-from zerokv import _plans, _runtime, reference
+from zerokv import reference
+from zerokv.core import plans as _plans
+from zerokv.core import runtime as _runtime
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 E4M3 = ml_dtypes.float8_e4m3fn

@@ -13,7 +13,8 @@ import re
 
 import pytest
 
-from zerokv import _kernels, _runtime
+from zerokv.core import kernels as _kernels
+from zerokv.core import runtime as _runtime
 
 _GLOBAL = re.compile(
     r"__global__\s+void\s+(__launch_bounds__\((?P<bounds>[^)]*)\)\s+)?(?P<name>\w+)\s*\((?P<params>[^)]*)\)",

@@ -14,7 +14,11 @@ import itertools
 import pytest
 import torch
 
-from zerokv import _call, _kernels, _plans, _runtime, empty_rows, merge
+from zerokv import empty_rows, merge
+from zerokv.core import facts as _call
+from zerokv.core import kernels as _kernels
+from zerokv.core import plans as _plans
+from zerokv.core import runtime as _runtime
 
 
 class _Recorder:

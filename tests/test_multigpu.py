@@ -17,8 +17,10 @@ from conftest import assert_close, f64
 from states import NAN, make_states
 
 import zerokv
-from zerokv import _plans, _runtime, reference
+from zerokv import reference
 from zerokv.compat import flashinfer, sglang, vllm
+from zerokv.core import plans as _plans
+from zerokv.core import runtime as _runtime
 
 pytestmark = pytest.mark.multigpu
 

@@ -12,7 +12,10 @@ from conftest import assert_close, f64
 from states import make_states
 
 import zerokv
-from zerokv import _cache, _kernels, _runtime, reference
+from zerokv import reference
+from zerokv.core import disk_cache as _cache
+from zerokv.core import kernels as _kernels
+from zerokv.core import runtime as _runtime
 
 pc = importlib.import_module("zerokv.precompile")  # the module (zerokv.precompile is the function)
 
@@ -124,7 +127,7 @@ def _fill(bufs, fresh) -> None:
 
 @pytest.mark.gpu
 def test_precompile_then_cuda_graph_capture_compiles_nothing(monkeypatch):
-    from zerokv import _plans
+    from zerokv.core import plans as _plans
 
     _plans.clear_cache()  # nothing loaded in this process: precompile has to load it all
     dtypes = ("bfloat16", "float8_e4m3fn")

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from zerokv import _kernels, _offline, _runtime
+from zerokv.core import kernels as _kernels
+from zerokv.core import offline as _offline
+from zerokv.core import runtime as _runtime
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = REPO / "kernels_cu"
@@ -195,7 +197,7 @@ def test_installed_wheel_finds_its_kernels(tmp_path):
         from pathlib import Path
 
         import zerokv
-        from zerokv import _offline, _runtime
+        from zerokv.core import offline as _offline, runtime as _runtime
 
         target = Path(sys.argv[1]).resolve()
         assert Path(zerokv.__file__).resolve().is_relative_to(target), zerokv.__file__

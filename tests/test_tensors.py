@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from zerokv import _tensors
+from zerokv.core import tensors as _tensors
 
 TORCH_DTYPES = (
     torch.float16,

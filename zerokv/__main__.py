@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compile_command(archs: list[str], verbose: bool, cache: bool) -> int:
-    from . import _offline
+    from .core import offline as _offline
 
     try:  # every name first, before anything is compiled
         for arch in archs or ["(none)"]:

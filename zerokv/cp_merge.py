@@ -16,8 +16,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _checks, _dtypes, _host, _kernels, _plans, _runtime
-from ._tensors import Tensor, view
+from .core import checks as _checks
+from .core import cpu_path as _host
+from .core import dtypes as _dtypes
+from .core import kernels as _kernels
+from .core import plans as _plans
+from .core import runtime as _runtime
+from .core.tensors import Tensor, view
 
 _SCATTER = ("heads", "none")
 _WARP_THREADS = 32

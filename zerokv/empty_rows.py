@@ -10,9 +10,14 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from . import _checks, _dtypes, _host, _kernels, _plans, _runtime
-from ._call import Call
-from ._tensors import torch_tensor_type
+from .core import checks as _checks
+from .core import cpu_path as _host
+from .core import dtypes as _dtypes
+from .core import kernels as _kernels
+from .core import plans as _plans
+from .core import runtime as _runtime
+from .core.facts import Call
+from .core.tensors import torch_tensor_type
 
 _BLOCKS_PER_SM = 1  # one block per SM: fastest at 0, 4096 and 32768 empty rows of 2, 4 and 8 (bench/NOTES.md)
 

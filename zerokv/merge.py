@@ -2,7 +2,7 @@
 
 Every call takes one path: read the tensors (pointer, shape, strides, dtype, device), find the
 launch plan of the call's signature (built and validated once), check what can change between
-calls of one signature, launch. CPU tensors run the float64 reference (``zerokv._host``).
+calls of one signature, launch. CPU tensors run the float64 reference (``zerokv.core.cpu_path``).
 """
 
 from __future__ import annotations
@@ -11,9 +11,14 @@ import struct
 import sys
 from typing import Any
 
-from . import _checks, _dtypes, _host, _kernels, _plans, _runtime
-from ._call import Call, read
-from ._tensors import torch_tensor_type
+from .core import checks as _checks
+from .core import cpu_path as _host
+from .core import dtypes as _dtypes
+from .core import kernels as _kernels
+from .core import plans as _plans
+from .core import runtime as _runtime
+from .core.facts import Call, read
+from .core.tensors import torch_tensor_type
 
 _NAMES2 = ("v_a", "s_a", "v_b", "s_b", "out", "out_lse")
 

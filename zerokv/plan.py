@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ._tensors import is_torch
+from .core.tensors import is_torch
 
 
 @dataclass(frozen=True)

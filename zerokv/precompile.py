@@ -12,7 +12,10 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import _cache, _dtypes, _kernels, _runtime
+from .core import disk_cache as _cache
+from .core import dtypes as _dtypes
+from .core import kernels as _kernels
+from .core import runtime as _runtime
 
 _FLAT = tuple(
     k.name

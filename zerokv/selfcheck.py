@@ -42,7 +42,7 @@ HEADER = f"{'op':22s} {'dtype':15s} {'shape':16s} {'max error':>10s} {'limit':>8
 
 
 def gpu_available() -> bool:
-    from . import _cache
+    from .core import disk_cache as _cache
 
     _cache.check_cupy_cache_dir()  # a cache directory that cannot be made: an error, not "no GPU"
     try:
@@ -242,7 +242,7 @@ def _fp8_row(va, sa, vb, sb, timed, f64) -> Row:
 
 def offline_compile() -> tuple[str, bool]:
     """Compile every instantiation for OFFLINE_ARCHS (cached); (what to print, passed)."""
-    from . import _offline
+    from .core import offline as _offline
 
     start = time.perf_counter()
     try:
@@ -281,7 +281,7 @@ def main() -> int:
     print(HEADER)
     print("\n".join(str(r) for r in rows))
     if gpu_available():
-        from . import _runtime
+        from .core import runtime as _runtime
 
         major, minor = _runtime.capability(0)
         print(f"\nGPU: {_runtime.device_name(0)} (sm_{major}{minor}); GB/s: 1e9 bytes read + written")

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import merge as _merge
-from .._tensors import view
+from ..core.tensors import view
 
 _IN_PLACE_NAMES = {"v_a": "v", "s_a": "s", "v_b": "v_other", "s_b": "s_other", "out": "v", "out_lse": "s"}
 

@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from .. import _kernels, empty_rows
+from .. import empty_rows
 from .. import merge as _merge
-from .._tensors import is_torch, view
+from ..core import kernels as _kernels
+from ..core.tensors import is_torch, view
 
 _MERGE_NAMES = {"out": "v_merged", "out_lse": "s_merged"}
 _FIXUP_NAMES = ("out", "lse", "cum_seq_lens", "kv_lens")  # (out, lse, cu_q, lens)

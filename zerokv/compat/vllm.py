@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import _kernels, empty_rows
+from .. import empty_rows
 from .. import merge as _merge
-from .._tensors import view
+from ..core import kernels as _kernels
+from ..core.tensors import view
 
 # zerokv's argument -> vLLM's, for the messages
 _MERGE_NAMES = {

@@ -19,7 +19,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from . import _cache, _kernels, _runtime
+from . import disk_cache as _cache
+from . import kernels as _kernels
+from . import runtime as _runtime
 
 MIN_ARCH = 80
 # Archs CI compiles for: A100, A10/L4/RTX 30, L40/RTX 40, H100/H200, B200, RTX 50.

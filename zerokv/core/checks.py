@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
-from ._tensors import Tensor, view
+from . import dtypes as _dtypes
+from .tensors import Tensor, view
 
 _TooHard = getattr(np, "exceptions", np).TooHardError
 _OVERLAP_WORK = 4096  # candidate solutions numpy may try before calling an overlap "too hard"

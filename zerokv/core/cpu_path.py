@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from . import reference
-from ._tensors import Tensor, view
+from .. import reference
+from .tensors import Tensor, view
 
 
 def merge_two(call: Any, validate: Callable[[], dict], prefix_rows: int | None) -> tuple[Any, Any]:

@@ -1,7 +1,7 @@
 """The facts of one call: each tensor's pointer, shape, strides, dtype and device, read once.
 
 torch tensors are read directly (no ``__dlpack__``: no per-call stream handshake); any other
-producer through :func:`zerokv._tensors.view`. Nothing here validates with messages: an
+producer through :func:`zerokv.core.tensors.view`. Nothing here validates with messages: an
 argument that is not a tensor, or tensors on several devices, only mark the call so that the
 op's full validation (which names the argument) runs and raises.
 """
@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import _host, _runtime
-from ._checks import extent
-from ._tensors import Tensor, torch_dtype_names, torch_tensor_type, view  # noqa: F401
+from . import cpu_path as _host
+from . import runtime as _runtime
+from .checks import extent
+from .tensors import Tensor, torch_dtype_names, torch_tensor_type, view  # noqa: F401
 
 _BAD = (0, (), ())  # facts of an argument that is not a tensor
 
@@ -111,7 +112,7 @@ class Call:
     def writable(self, outputs: tuple[int, ...]) -> bool:
         """Whether the outputs at these positions may be written without the full check: torch
         tensors that neither require grad nor are inference tensors; other producers always take
-        the full check (``zerokv._checks.writable``)."""
+        the full check (``zerokv.core.checks.writable``)."""
         for i in outputs:
             x = self.objs[i] if i < len(self.objs) else None
             if x is None:

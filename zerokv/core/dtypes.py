@@ -1,7 +1,7 @@
 """The closed table of element types zerokv understands.
 
 Each entry maps a canonical name to the C++ type the kernels use. Tensors of any producer are
-reduced to one of these names by ``zerokv._tensors``; a miss is a ``TypeError`` listing what is
+reduced to one of these names by ``zerokv.core.tensors``; a miss is a ``TypeError`` listing what is
 supported.
 """
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import _runtime
+from . import runtime as _runtime
 
 _plans: dict[Any, Any] = {}
 _lock = threading.RLock()  # builders look up the launchers they use

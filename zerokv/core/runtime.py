@@ -22,8 +22,9 @@ from functools import cache
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from . import _cache, _kernels
-from ._kernels import Kernel
+from . import disk_cache as _cache
+from . import kernels as _kernels
+from .kernels import Kernel
 
 # Options shared by the run-time (CuPy) and the offline (cuda-bindings) compiles. CuPy adds
 # -arch for the device and -ftz=true itself.
@@ -34,7 +35,7 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.MULTILINE)
 
 def kernel_dir() -> Path:
     """``kernels_cu`` inside an installed wheel, or beside the package in a source tree."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parent.parent
     for candidate in (here / "kernels_cu", here.parent / "kernels_cu"):
         if (candidate / "common.cuh").is_file():
             return candidate

@@ -15,7 +15,7 @@ import struct
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from . import _dtypes
+from . import dtypes as _dtypes
 
 # C type -> (struct code, bytes); the alignment of each is its size.
 CTYPES = {"ptr": ("Q", 8), "i64": ("q", 8), "i32": ("i", 4), "u32": ("I", 4), "f32": ("f", 4)}
