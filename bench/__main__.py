@@ -5,7 +5,7 @@ tqdm are used when installed)::
 
     PYTHONPATH=. python -m bench                       # everything (a few minutes on an H200)
     PYTHONPATH=. python -m bench --quick               # a representative part (about a minute)
-    PYTHONPATH=. python -m bench --only merge,host     # parts: merge, empty_rows, host, compile, cp
+    PYTHONPATH=. python -m bench --only merge,host     # parts: merge, options, empty_rows, host, compile, cp
     PYTHONPATH=. python -m bench --quick --out DIR     # results elsewhere (default: bench/results)
     PYTHONPATH=. python -m bench --dry-run             # the whole pipeline on the CPU, synthetic times
 
@@ -63,6 +63,7 @@ from typing import Any
 PACKAGE = __package__ or "bench"
 PARTS = {
     "merge": "bench_merge",
+    "options": "bench_merge",
     "empty_rows": "bench_empty_rows",
     "host": "bench_host",
     "compile": "bench_host",
