@@ -368,7 +368,7 @@ def vllm_design_merge(v_a: Any, s_a: Any, v_b: Any, s_b: Any, out: Any, out_lse:
     """One launch on torch's current stream."""
     args, grid = vllm_design_args(v_a, s_a, v_b, s_b, out, out_lse)
     if grid:
-        from zerokv.core.runtime import Launcher
+        from zerokv.core.launch import Launcher
 
         device = v_a.device.index
         launch = _launchers.get((v_a.dtype, device))
@@ -452,7 +452,7 @@ EMPTY = Kernel(
 
 def empty_launch(device: int) -> Any:
     """A call that launches one block of the empty kernel on torch's current stream."""
-    from zerokv.core.runtime import Launcher
+    from zerokv.core.launch import Launcher
 
     launch = Launcher(EMPTY, (0,), device)
 
@@ -488,7 +488,8 @@ COPY = Kernel(
 def copy_launch(dst: Any, src: Any) -> Any:
     """A call that copies ``src`` into ``dst`` (byte tensors, sizes a multiple of 16) with
     :data:`COPY` on torch's current stream."""
-    from zerokv.core.runtime import Launcher, sm_count
+    from zerokv.core.device import sm_count
+    from zerokv.core.launch import Launcher
 
     device = src.device.index
     launch = Launcher(COPY, (0,), device)

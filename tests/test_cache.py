@@ -132,8 +132,9 @@ def test_a_kernel_compiles_and_runs_with_a_read_only_cupy_cache(monkeypatch, tmp
     import cupy
     from cupy.cuda import compiler
 
+    from zerokv.core import device as _device
     from zerokv.core import kernels as _kernels
-    from zerokv.core import runtime as _runtime
+    from zerokv.core import launch as _launch
 
     out = cupy.full(32, float("nan"), dtype=cupy.float32)  # CuPy's own fill kernel, compiled first
     _cache.guard_cupy_cache()
@@ -151,6 +152,6 @@ def test_a_kernel_compiles_and_runs_with_a_read_only_cupy_cache(monkeypatch, tmp
         code=f"// {token}\ntemplate <int N> __global__ void cache_probe_kernel(float* out) {{ out[threadIdx.x] = N; }}\n",
     )
     with pytest.warns(RuntimeWarning, match="cannot be written"):
-        launch = _runtime.Launcher(probe, (7,), 0)
-    launch(1, _runtime.cupy_stream(0), out.data.ptr)
+        launch = _launch.Launcher(probe, (7,), 0)
+    launch(1, _device.cupy_stream(0), out.data.ptr)
     assert (out.get() == 7).all()

@@ -14,7 +14,7 @@ from zerokv import selfcheck
 from zerokv.__main__ import main
 from zerokv.core import kernels as _kernels
 from zerokv.core import offline as _offline
-from zerokv.core import runtime as _runtime
+from zerokv.core import sources as _sources
 
 pytest.importorskip("cuda.bindings.nvrtc")
 
@@ -39,12 +39,12 @@ def cache_dir(tmp_path, monkeypatch):
 def broken_fp8(tmp_path, monkeypatch):
     """kernels_cu with fp8 outputs broken, and merge reduced to two instantiations."""
     copy = tmp_path / "kernels_cu"
-    shutil.copytree(_runtime.kernel_dir(), copy)
+    shutil.copytree(_sources.kernel_dir(), copy)
     header = copy / "common.cuh"
     text = header.read_text()
     assert BROKEN in text
     header.write_text(text.replace(BROKEN, BREAK))
-    monkeypatch.setattr(_runtime, "kernel_dir", lambda: copy)
+    monkeypatch.setattr(_sources, "kernel_dir", lambda: copy)
     monkeypatch.setattr(_kernels, "instantiations", lambda: {"merge": list(TWO)})
     return copy
 
@@ -149,9 +149,9 @@ def test_compile_error_names_only_the_failing_instantiations(broken_fp8, cache_d
 
 def test_an_error_outside_templates_is_one_line_for_every_instantiation(tmp_path, cache_dir, monkeypatch):
     copy = tmp_path / "kernels_cu"
-    shutil.copytree(_runtime.kernel_dir(), copy)
+    shutil.copytree(_sources.kernel_dir(), copy)
     (copy / "common.cuh").write_text((copy / "common.cuh").read_text() + "\nzerokv_not_a_type x;\n")
-    monkeypatch.setattr(_runtime, "kernel_dir", lambda: copy)
+    monkeypatch.setattr(_sources, "kernel_dir", lambda: copy)
     with pytest.raises(_offline.CompileError) as info:
         _offline.compile_stem("empty_rows", "sm_90")
     (only,) = info.value.failing
@@ -182,7 +182,7 @@ def test_an_edited_source_is_compiled_again(cache_dir, monkeypatch, tmp_path):
     exprs = _kernels.instantiations()["empty_rows"][:1]
     monkeypatch.setattr(_kernels, "instantiations", lambda: {"empty_rows": exprs})
     copy = tmp_path / "kernels_cu"
-    shutil.copytree(_runtime.kernel_dir(), copy)
+    shutil.copytree(_sources.kernel_dir(), copy)
     assert not _offline.compile_stem("empty_rows", "sm_90", directory=copy)[0].cached
     assert _offline.compile_stem("empty_rows", "sm_90", directory=copy)[0].cached
     (copy / "common.cuh").write_text((copy / "common.cuh").read_text() + "\n// a comment changes the key\n")

@@ -12,9 +12,11 @@ import torch
 
 import zerokv
 from zerokv.core import checks as _checks
+from zerokv.core import compiler as _compiler
+from zerokv.core import device as _device
 from zerokv.core import kernels as _kernels
+from zerokv.core import launch as _launch
 from zerokv.core import plans as _plans
-from zerokv.core import runtime as _runtime
 from zerokv.core import tensors as _tensors
 
 
@@ -115,8 +117,8 @@ class _FakeDriver:
             raise _FakeError(status)
 
 
-def _launcher(device: int, current: int, results: list[int]) -> _runtime.Launcher:
-    launcher = _runtime.Launcher.__new__(_runtime.Launcher)
+def _launcher(device: int, current: int, results: list[int]) -> _launch.Launcher:
+    launcher = _launch.Launcher.__new__(_launch.Launcher)
     launcher.expr, launcher.device, launcher.handle, launcher.block = "k<float>", device, 1, 128
     launcher.pack_into, launcher.nbytes = (lambda buf, offset, *args: None), 8
     launcher.driver = _FakeDriver(current, results)
@@ -155,15 +157,15 @@ def test_functions_are_built_once_per_device_under_concurrent_first_calls(monkey
     def fake_build(code, expr, device):
         with lock:
             built.append((expr, device))
-        return _runtime.Loaded(None, 1000 + device)
+        return _compiler.Loaded(None, 1000 + device)
 
-    monkeypatch.setattr(_runtime, "_build", fake_build)
-    monkeypatch.setattr(_runtime, "_functions", {})
+    monkeypatch.setattr(_compiler, "_build", fake_build)
+    monkeypatch.setattr(_compiler, "_functions", {})
     barrier = threading.Barrier(8)
 
     def worker(i):
         barrier.wait()
-        assert _runtime.function(_kernels.MERGE_STATE, "k<x>", i % 2).ptr == 1000 + i % 2
+        assert _compiler.function(_kernels.MERGE_STATE, "k<x>", i % 2).ptr == 1000 + i % 2
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
     for t in threads:
@@ -177,11 +179,11 @@ def test_torch_stream_is_read_for_the_tensors_device(monkeypatch):
     seen = []
     fake_c = types.SimpleNamespace(_cuda_getCurrentRawStream=lambda d: seen.append(d) or 77)
     monkeypatch.setattr(torch, "_C", fake_c)
-    assert _runtime.torch_stream(1) == 77 and seen == [1]
+    assert _device.torch_stream(1) == 77 and seen == [1]
 
 
 def test_clear_cache_forgets_plans_and_functions(monkeypatch):
     monkeypatch.setattr(_plans, "_plans", {("k",): object()})
-    monkeypatch.setattr(_runtime, "_functions", {("merge", "k<x>", 0): object()})
+    monkeypatch.setattr(_compiler, "_functions", {("merge", "k<x>", 0): object()})
     _plans.clear_cache()
-    assert not _plans._plans and not _runtime._functions
+    assert not _plans._plans and not _compiler._functions

@@ -13,8 +13,10 @@ from states import make_states
 
 import zerokv
 from zerokv import reference
+from zerokv.core import compiler as _compiler
+from zerokv.core import device as _device
 from zerokv.core import plans as _plans
-from zerokv.core import runtime as _runtime
+from zerokv.core import sources as _sources
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -118,7 +120,7 @@ def _ptx(arch: str, code: str) -> str:
     nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
     _, prog = nvrtc.nvrtcCreateProgram(code.encode(), b"fp8_probe.cu", 0, [], [])
     try:
-        opts = [f"-arch=compute_{arch}".encode(), b"-ftz=true", *(o.encode() for o in _runtime.NVRTC_OPTIONS)]
+        opts = [f"-arch=compute_{arch}".encode(), b"-ftz=true", *(o.encode() for o in _sources.NVRTC_OPTIONS)]
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         assert res == nvrtc.nvrtcResult.NVRTC_SUCCESS, res
         _, size = nvrtc.nvrtcGetPTXSize(prog)
@@ -130,7 +132,7 @@ def _ptx(arch: str, code: str) -> str:
 
 
 def _common() -> str:
-    return (_runtime.kernel_dir() / "common.cuh").read_text().replace("#pragma once\n", "")
+    return (_sources.kernel_dir() / "common.cuh").read_text().replace("#pragma once\n", "")
 
 
 PROBE = r"""
@@ -189,7 +191,7 @@ extern "C" __global__ void fp8_software(const unsigned* bits, unsigned char* out
 
 def _gpu_module():
     cupy = pytest.importorskip("cupy")
-    return cupy, cupy.RawModule(code=_common() + COMPARE, options=_runtime.NVRTC_OPTIONS)
+    return cupy, cupy.RawModule(code=_common() + COMPARE, options=_sources.NVRTC_OPTIONS)
 
 
 @pytest.mark.parametrize("arch", ["80", "90"])
@@ -218,14 +220,14 @@ def test_gpu_software_conversion_matches_the_cpu_model():
 @pytest.mark.gpu
 def test_gpu_software_and_hardware_conversions_agree_on_every_float32():
     cupy, mod = _gpu_module()
-    major, minor = _runtime.capability(torch.cuda.current_device())
+    major, minor = _device.capability(torch.cuda.current_device())
     if (major, minor) < (8, 9):
         pytest.skip(f"the e4m3 instruction needs sm_89+ (this GPU: sm_{major}{minor})")
     kernel = mod.get_function("fp8_compare")
     mismatches = cupy.zeros(1, dtype=cupy.uint64)
     first = cupy.zeros(48, dtype=cupy.uint32)
     chunk = 1 << 30
-    blocks = 32 * _runtime.sm_count(torch.cuda.current_device())
+    blocks = 32 * _device.sm_count(torch.cuda.current_device())
     for base in range(0, 1 << 32, chunk):  # four launches; the count stays on the device
         kernel((blocks,), (256,), (np.uint64(base), np.uint64(chunk), mismatches, first))
     count = int(mismatches.get()[0])
@@ -252,12 +254,12 @@ def test_fp8_merge_output_is_the_same_through_both_paths(monkeypatch):
 
     first = run()
     _plans.clear_cache()
-    kernel_source = _runtime.kernel_source
-    monkeypatch.setattr(_runtime, "kernel_source", lambda k: "#define ZK_FP8_SOFTWARE 1\n" + kernel_source(k))
-    built = _runtime._modules_built
+    kernel_source = _sources.kernel_source
+    monkeypatch.setattr(_sources, "kernel_source", lambda k: "#define ZK_FP8_SOFTWARE 1\n" + kernel_source(k))
+    built = _compiler._modules_built
     try:
         second = run()
-        assert _runtime._modules_built > built, "the software path was not compiled: a launch was reused"
+        assert _compiler._modules_built > built, "the software path was not compiled: a launch was reused"
     finally:
         monkeypatch.undo()
         _plans.clear_cache()

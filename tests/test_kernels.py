@@ -14,7 +14,7 @@ import re
 import pytest
 
 from zerokv.core import kernels as _kernels
-from zerokv.core import runtime as _runtime
+from zerokv.core import sources as _sources
 
 _GLOBAL = re.compile(
     r"__global__\s+void\s+(__launch_bounds__\((?P<bounds>[^)]*)\)\s+)?(?P<name>\w+)\s*\((?P<params>[^)]*)\)",
@@ -37,7 +37,7 @@ def _c_type(decl: str) -> str:
 
 def c_signature(kernel: _kernels.Kernel) -> tuple[str, list[tuple[str, str]]]:
     """``(launch bounds text, [(name, type), ...])`` of ``kernel`` as its source declares it."""
-    text = re.sub(r"//[^\n]*", "", _runtime.kernel_source(kernel))
+    text = re.sub(r"//[^\n]*", "", _sources.kernel_source(kernel))
     found = {m["name"]: m for m in _GLOBAL.finditer(text)}
     assert kernel.name in found, f"{kernel.name}: no __global__ function of that name in {kernel.stem}.cu"
     m = found[kernel.name]
@@ -70,7 +70,7 @@ def test_description_matches_the_c_parameter_list(kernel):
 def test_block_size_reaches_the_launch_bounds(kernel):
     bounds, _ = c_signature(kernel)
     assert bounds.split(",")[0].strip() == f"ZK_BLOCK_{kernel.name}", bounds
-    assert f"#define ZK_BLOCK_{kernel.name} {kernel.block}\n" in _runtime.kernel_source(kernel)
+    assert f"#define ZK_BLOCK_{kernel.name} {kernel.block}\n" in _sources.kernel_source(kernel)
 
 
 @pytest.mark.parametrize("kernel", _kernels.KERNELS, ids=lambda k: k.name)

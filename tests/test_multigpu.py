@@ -19,8 +19,8 @@ from states import NAN, make_states
 import zerokv
 from zerokv import reference
 from zerokv.compat import flashinfer, sglang, vllm
+from zerokv.core import compiler as _compiler
 from zerokv.core import plans as _plans
-from zerokv.core import runtime as _runtime
 
 pytestmark = pytest.mark.multigpu
 
@@ -135,7 +135,7 @@ def test_tensors_on_two_devices_are_rejected_before_anything_is_written():
 
 def test_two_threads_two_gpus_from_a_cold_cache():
     _plans.clear_cache()
-    built_before = _runtime._modules_built
+    built_before = _compiler._modules_built
     errors = []
 
     def drive(i):
@@ -159,11 +159,11 @@ def test_two_threads_two_gpus_from_a_cold_cache():
     for t in threads:
         t.join()
     assert not errors, errors
-    keys = list(_runtime._functions)
+    keys = list(_compiler._functions)
     assert len(keys) == len(set(keys))
     per_device = {d: sorted(k[:2] for k in keys if k[2] == d) for d in (0, 1)}
     assert per_device[0] == per_device[1]  # the same kernels, loaded once on each device
-    assert _runtime._modules_built - built_before == len(keys)
+    assert _compiler._modules_built - built_before == len(keys)
 
 
 def test_cuda_graph_captured_on_the_second_gpu_replays():

@@ -13,9 +13,10 @@ from states import make_states
 
 import zerokv
 from zerokv import reference
+from zerokv.core import compiler as _compiler
+from zerokv.core import device as _device
 from zerokv.core import disk_cache as _cache
 from zerokv.core import kernels as _kernels
-from zerokv.core import runtime as _runtime
 
 pc = importlib.import_module("zerokv.precompile")  # the module (zerokv.precompile is the function)
 
@@ -24,8 +25,8 @@ pc = importlib.import_module("zerokv.precompile")  # the module (zerokv.precompi
 def fake_device(monkeypatch):
     """Every (kernel name, expression, device) that precompile would compile and load."""
     calls: list[tuple[str, str, int]] = []
-    monkeypatch.setattr(_runtime, "function", lambda k, expr, dev: calls.append((k.name, expr, dev)))
-    monkeypatch.setattr(_runtime, "check_device", lambda dev: None)
+    monkeypatch.setattr(_compiler, "function", lambda k, expr, dev: calls.append((k.name, expr, dev)))
+    monkeypatch.setattr(_device, "check_device", lambda dev: None)
     monkeypatch.setattr(pc, "_check_exists", lambda dev: None)
     monkeypatch.setattr(_cache, "guard_cupy_cache", lambda: None)
     return calls
@@ -137,12 +138,12 @@ def test_precompile_then_cuda_graph_capture_compiles_nothing(monkeypatch):
     assert n == len(
         pc.selection(dtypes, ("merge_state", "merge_states", "fixup_zero_kv_rows", "mask_empty_context"))
     )
-    built, loaded = _runtime._modules_built, _runtime.loaded_count()
+    built, loaded = _compiler._modules_built, _compiler.loaded_count()
 
     def no_compile(*args, **kwargs):
         raise AssertionError("a kernel was compiled after precompile")
 
-    monkeypatch.setattr(_runtime, "_build", no_compile)
+    monkeypatch.setattr(_compiler, "_build", no_compile)
 
     dev = "cuda"
     T, H = 300, 8
@@ -182,7 +183,7 @@ def test_precompile_then_cuda_graph_capture_compiles_nothing(monkeypatch):
     with torch.cuda.graph(graph, stream=torch.cuda.Stream()):  # a stream of the current device
         calls()
     torch.cuda.synchronize()
-    assert (_runtime._modules_built, _runtime.loaded_count()) == (built, loaded)
+    assert (_compiler._modules_built, _compiler.loaded_count()) == (built, loaded)
 
     # Replay on fresh inputs, outputs poisoned: the graph computes the ops, right.
     fresh = make_states(T, H, 128, torch.bfloat16, dev, seed=4)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from zerokv.core import compiler as _compiler
 from zerokv.core import kernels as _kernels
 from zerokv.core import offline as _offline
-from zerokv.core import runtime as _runtime
+from zerokv.core import sources as _sources
 
 REPO = Path(__file__).resolve().parent.parent
 KERNELS = REPO / "kernels_cu"
@@ -52,7 +53,7 @@ def test_every_stem_is_a_kernel_source():
 
 @pytest.mark.parametrize("stem", STEMS)
 def test_source_inlines_every_header_once(stem):
-    text = _runtime.source(stem)
+    text = _sources.source(stem)
     assert '#include "' not in text
     headers = _headers_reached(stem)
     assert headers, f"{stem}.cu includes no local header"
@@ -70,17 +71,17 @@ def test_source_inlines_every_header_once(stem):
 def test_source_from_another_directory(tmp_path):
     copy = tmp_path / "kernels_cu"
     shutil.copytree(KERNELS, copy)
-    assert _runtime.source("merge", directory=copy) == _runtime.source("merge")
+    assert _sources.source("merge", directory=copy) == _sources.source("merge")
 
 
 def test_editing_a_header_changes_the_compiled_text(tmp_path):
     """The text handed to NVRTC is what CuPy hashes: an edited header must change it."""
     copy = tmp_path / "kernels_cu"
     shutil.copytree(KERNELS, copy)
-    before = _runtime.source("merge", directory=copy)
+    before = _sources.source("merge", directory=copy)
     header = copy / "common.cuh"
     header.write_text(header.read_text() + "\n// an edit that changes no code\n")
-    after = _runtime.source("merge", directory=copy)
+    after = _sources.source("merge", directory=copy)
     assert after != before
     assert "an edit that changes no code" in after
     assert (copy / "merge.cu").read_text() == (KERNELS / "merge.cu").read_text()
@@ -120,17 +121,17 @@ def test_editing_a_header_changes_cupys_cache_key(tmp_path, monkeypatch):
         expr = _kernels.MERGE_STATE.expressions[0]
         with pytest.raises(Looked):
             compiler._compile_module_with_cache(
-                code, _runtime.NVRTC_OPTIONS, arch="90", name_expressions=[expr]
+                code, _sources.NVRTC_OPTIONS, arch="90", name_expressions=[expr]
             )
         return Recorder.names[-1]
 
     copy = tmp_path / "kernels_cu"
     shutil.copytree(KERNELS, copy)
-    before = key(_runtime.source("merge", directory=copy))
-    assert key(_runtime.source("merge", directory=copy)) == before  # the key is stable
+    before = key(_sources.source("merge", directory=copy))
+    assert key(_sources.source("merge", directory=copy)) == before  # the key is stable
     header = copy / "common.cuh"
     header.write_text(header.read_text() + "\n// an edit that changes no code\n")
-    assert key(_runtime.source("merge", directory=copy)) != before
+    assert key(_sources.source("merge", directory=copy)) != before
 
 
 # --- offline compile --------------------------------------------------------------------------
@@ -197,12 +198,12 @@ def test_installed_wheel_finds_its_kernels(tmp_path):
         from pathlib import Path
 
         import zerokv
-        from zerokv.core import offline as _offline, runtime as _runtime
+        from zerokv.core import offline as _offline, sources as _sources
 
         target = Path(sys.argv[1]).resolve()
         assert Path(zerokv.__file__).resolve().is_relative_to(target), zerokv.__file__
-        assert _runtime.kernel_dir().resolve().is_relative_to(target), _runtime.kernel_dir()
-        assert '#include "' not in _runtime.source("merge")
+        assert _sources.kernel_dir().resolve().is_relative_to(target), _sources.kernel_dir()
+        assert '#include "' not in _sources.source("merge")
         results = _offline.compile_stem("empty_rows", "sm_90")
         assert results and all(r.lowered_name and r.cubin_bytes > 0 for r in results)
         print("ok", len(results))
@@ -236,8 +237,8 @@ def test_concurrent_first_calls_build_once(monkeypatch):
         time.sleep(0.05)
         return object()
 
-    monkeypatch.setattr(_runtime, "_build", slow_build)
-    monkeypatch.setattr(_runtime, "_functions", {})
+    monkeypatch.setattr(_compiler, "_build", slow_build)
+    monkeypatch.setattr(_compiler, "_functions", {})
     merge_expr = _kernels.MERGE_STATE.expressions[0]
     rows_expr = _kernels.EMPTY_ROWS.expressions[0]
     keys = [(_kernels.MERGE_STATE, merge_expr, 0), (_kernels.MERGE_STATE, merge_expr, 1)]
@@ -251,7 +252,7 @@ def test_concurrent_first_calls_build_once(monkeypatch):
         try:
             start.wait()
             for key in keys[i % len(keys) :] + keys[: i % len(keys)]:
-                got[i].append((key, _runtime.function(*key)))
+                got[i].append((key, _compiler.function(*key)))
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
@@ -265,5 +266,5 @@ def test_concurrent_first_calls_build_once(monkeypatch):
     for key in keys:
         assert len({id(fn) for results in got for k, fn in results if k == key}) == 1
     # later calls hit the cache
-    assert _runtime.function(*keys[0]) is dict(got[0])[keys[0]]
+    assert _compiler.function(*keys[0]) is dict(got[0])[keys[0]]
     assert builds == {(e, d): 1 for _, e, d in keys}

@@ -18,10 +18,10 @@ import numpy as np
 
 from .core import checks as _checks
 from .core import cpu_path as _host
+from .core import device as _device
 from .core import dtypes as _dtypes
 from .core import kernels as _kernels
 from .core import plans as _plans
-from .core import runtime as _runtime
 from .core.tensors import Tensor, view
 
 _SCATTER = ("heads", "none")
@@ -277,7 +277,7 @@ def _collectives(torch: Any) -> tuple[Any, Any, Any]:
 
 def _device_combine(torch, pg, N, rank, scatter, a: _Args, v, s, out, out_lse, nan_empty) -> None:
     dev, T, H, D, Hn = a.device, a.T, a.H, a.D, a.Hn
-    stream = _runtime.torch_stream(dev)
+    stream = _device.torch_stream(dev)
     all_gather, reduce_scatter, all_reduce = _collectives(torch)
     rows = T * H
 
@@ -322,7 +322,7 @@ def _device_combine(torch, pg, N, rank, scatter, a: _Args, v, s, out, out_lse, n
     # chunk run beside it. Where the collective writes the output, one piece is faster.
     chunks = _chunks(T, H * D * _dtypes.itemsize(a.wire), N, direct)
     overlap = len(chunks) > 1
-    cap = _runtime.sm_count(dev) * _OVERLAP_THREADS_PER_SM if overlap else 0
+    cap = _device.sm_count(dev) * _OVERLAP_THREADS_PER_SM if overlap else 0
     waiting: list = []  # (work, t0, t1) of collectives issued, oldest first
     for t0, t1 in chunks:
         if scatter == "none":

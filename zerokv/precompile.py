@@ -12,10 +12,11 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .core import compiler as _compiler
+from .core import device as _device
 from .core import disk_cache as _cache
 from .core import dtypes as _dtypes
 from .core import kernels as _kernels
-from .core import runtime as _runtime
 
 _FLAT = tuple(
     k.name
@@ -70,11 +71,11 @@ def precompile(
     wanted_ops = _op_names(ops)
     dev = _device_index(device)
     _check_exists(dev)
-    _runtime.check_device(dev)  # a GPU older than sm_80: a clear error before any compile
+    _device.check_device(dev)  # a GPU older than sm_80: a clear error before any compile
     _cache.guard_cupy_cache()
     count = 0
     for kernel, targs in selection(wanted_dtypes, wanted_ops):
-        _runtime.function(kernel, kernel.expr(*targs), dev)
+        _compiler.function(kernel, kernel.expr(*targs), dev)
         count += 1
     return count
 
@@ -137,7 +138,7 @@ def _op_names(ops: Iterable[str] | None) -> tuple[str, ...]:
 
 
 def _check_exists(index: int) -> None:
-    cupy = _runtime.import_cupy()
+    cupy = _device.import_cupy()
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except cupy.cuda.runtime.CUDARuntimeError as e:
@@ -152,7 +153,7 @@ def _device_index(device: Any) -> int:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available():
             return int(torch.cuda.current_device())
-        return int(_runtime.import_cupy().cuda.runtime.getDevice())
+        return int(_device.import_cupy().cuda.runtime.getDevice())
     if isinstance(device, bool):
         raise TypeError(f"precompile: device: {device!r} is not a device")
     if isinstance(device, int):

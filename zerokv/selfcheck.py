@@ -281,10 +281,10 @@ def main() -> int:
     print(HEADER)
     print("\n".join(str(r) for r in rows))
     if gpu_available():
-        from .core import runtime as _runtime
+        from .core import device as _device
 
-        major, minor = _runtime.capability(0)
-        print(f"\nGPU: {_runtime.device_name(0)} (sm_{major}{minor}); GB/s: 1e9 bytes read + written")
+        major, minor = _device.capability(0)
+        print(f"\nGPU: {_device.device_name(0)} (sm_{major}{minor}); GB/s: 1e9 bytes read + written")
         t = time.perf_counter()
         gpu_rows = run_gpu()
         print(HEADER)

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from .core import merge_plans as _merge_plans
+from .core import merge_states_plan as _merge_states_plan
 from .empty_rows import fixup_zero_kv_rows, mask_empty_context
-from .merge import merge_states, merge_two
 
 _lib = torch.library.Library("zerokv", "DEF")
 
@@ -59,10 +60,10 @@ def _a_empty(a_cu_seqlens_q, a_kv_lens):
 def _merge_state(
     v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, a_cu_seqlens_q=None, a_kv_lens=None, sinks=None
 ):
-    return merge_two(
-        v_a, s_a, v_b, s_b, lse_base=lse_base, prefix_rows=prefix_rows,
-        a_empty=_a_empty(a_cu_seqlens_q, a_kv_lens), sinks=sinks, names=_NAMES,
-    )  # fmt: skip
+    a_empty = _a_empty(a_cu_seqlens_q, a_kv_lens)
+    return _merge_plans.two(
+        v_a, s_a, v_b, s_b, None, None, lse_base, prefix_rows, a_empty, None, sinks, None, False, None, _NAMES
+    )
 
 
 def _merge_state_out(
@@ -79,14 +80,28 @@ def _merge_state_out(
     out_scale=None,
     sinks=None,
 ):
-    merge_two(
-        v_a, s_a, v_b, s_b, out, out_lse, lse_base=lse_base, prefix_rows=prefix_rows,
-        a_empty=_a_empty(a_cu_seqlens_q, a_kv_lens), out_scale=out_scale, sinks=sinks, names=_NAMES,
-    )  # fmt: skip
+    a_empty = _a_empty(a_cu_seqlens_q, a_kv_lens)
+    _merge_plans.two(
+        v_a,
+        s_a,
+        v_b,
+        s_b,
+        out,
+        out_lse,
+        lse_base,
+        prefix_rows,
+        a_empty,
+        out_scale,
+        sinks,
+        None,
+        False,
+        None,
+        _NAMES,
+    )
 
 
 def _merge_states(v, s, lse_base="e", sinks=None):
-    return merge_states(v, s, lse_base=lse_base, sinks=sinks)
+    return _merge_states_plan.n((v, s, None, None, None, sinks), (lse_base, True))
 
 
 for _key in ("CPU", "CUDA"):

@@ -7,9 +7,9 @@ from typing import Any
 
 import numpy as np
 
-from .. import empty_rows
-from .. import merge as _merge
+from ..core import empty_rows_plan as _empty_rows_plan
 from ..core import kernels as _kernels
+from ..core import merge_plans as _merge_plans
 from ..core.tensors import is_torch, view
 
 _MERGE_NAMES = {"out": "v_merged", "out_lse": "s_merged"}
@@ -32,9 +32,9 @@ def merge_state_v2(
     As SGLang: an LSE of +inf counts as -inf. Unlike SGLang, two empty states give
     ``(0, -inf)``, not NaN. A rejected call writes nothing.
     """
-    return _merge.merge_two(
+    return _merge_plans.two(
         v_a, _float32(s_a, "s_a"), v_b, _float32(s_b, "s_b"), v_merged, s_merged,
-        allocate_lse=True, names=_MERGE_NAMES,
+        "e", None, None, None, None, None, False, True, _MERGE_NAMES,
     )  # fmt: skip
 
 
@@ -75,4 +75,4 @@ def fixup_zero_kv_rows(out: Any, lse: Any, kv_lens: Any, cum_seq_lens: Any, max_
     """
     if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)):
         raise TypeError(f"max_seq_len: expected an int, got {type(max_seq_len).__name__}")
-    empty_rows._run(_kernels.RULE_KV_LENS_ZERO, out, lse, cum_seq_lens, kv_lens, _FIXUP_NAMES)
+    _empty_rows_plan.run(_kernels.RULE_KV_LENS_ZERO, (out, lse, cum_seq_lens, kv_lens), _FIXUP_NAMES)

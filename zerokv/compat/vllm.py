@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import empty_rows
-from .. import merge as _merge
+from ..core import empty_rows_plan as _empty_rows_plan
 from ..core import kernels as _kernels
+from ..core import merge_plans as _merge_plans
 from ..core.tensors import view
 
 # zerokv's argument -> vLLM's, for the messages
@@ -58,11 +58,10 @@ def merge_attn_states(
         raise TypeError("output: required (vLLM's merge_attn_states writes its result into it), got None")
     lses = (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse))
     try:
-        _merge.merge_two(
+        _merge_plans.two(
             prefix_output, _th(prefix_lse, "prefix_lse"), suffix_output, _th(suffix_lse, "suffix_lse"),
             output, None if output_lse is None else _th(output_lse, "output_lse"),
-            prefix_rows=prefill_tokens_with_context, out_scale=output_scale,
-            suffix_verbatim=True, allocate_lse=False, names=_MERGE_NAMES,
+            "e", prefill_tokens_with_context, None, output_scale, None, None, True, False, _MERGE_NAMES,
         )  # fmt: skip
     except (TypeError, ValueError):
         _explain_lse_shapes(_token_head(prefix_output), lses)  # vLLM's [H, T] terms when an LSE is off
@@ -85,8 +84,8 @@ def mask_empty_context(lse: Any, output: Any, query_start_loc: Any, context_star
     if getattr(output, "ndim", None) == 2:
         output = _split_heads(output, lse)
     try:
-        empty_rows._run(
-            _kernels.RULE_CONTEXT_SPAN_EMPTY, output, _th(lse, "lse"), query_start_loc, context_start_loc,
+        _empty_rows_plan.run(
+            _kernels.RULE_CONTEXT_SPAN_EMPTY, (output, _th(lse, "lse"), query_start_loc, context_start_loc),
             _MASK_NAMES,
         )  # fmt: skip
     except (TypeError, ValueError):

@@ -1,66 +1,43 @@
-"""Host memory: the CPU path of every op (through the float64 reference) and output allocation.
+"""The CPU path of every op: host tensors, computed through the float64 reference.
 
-Each CPU entry point validates the whole call first (``validate()`` raises before anything is
-written), allocates what was asked for, computes with :mod:`zerokv.reference` and writes back.
+Each entry point takes a call its op has validated (and whose outputs it has allocated),
+computes with :mod:`zerokv.reference` and writes the results back.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
 from .. import reference
-from .tensors import Tensor, view
+from .tensors import Tensor
 
 
-def merge_two(call: Any, validate: Callable[[], dict], prefix_rows: int | None) -> tuple[Any, Any]:
-    v = validate()
-    va, o, ol = v["va"], v["out"], v["out_lse"]
-    T, H, D = v["T"], v["H"], v["D"]
-    verbatim = call.scalars[2]
-    out, o, out_lse, ol = _outputs(call.objs[4], o, call.objs[5], ol, va, (T, H, D), call.scalars[3])
+def merge_two(v: dict, o: Tensor, ol: Tensor | None, prefix_rows: int, verbatim: bool) -> None:
+    """A validated two-way merge (``v``: ``merge_checks.two``'s records) into ``o``/``ol``."""
+    T = v["T"]
     a_empty_rows = None
     if v["cu"] is not None:
         a_empty_rows = reference.rows_with_empty_a(to_f64(v["cu"]), to_f64(v["lens"]), T)
     res, lse = reference.merge_state(
-        to_f64(va), to_f64(v["sa"]), to_f64(v["vb"]), to_f64(v["sb"]),
-        lse_base=v["base"], prefix_rows=T if prefix_rows is None else prefix_rows,
-        a_empty_rows=a_empty_rows, suffix_verbatim=verbatim,
-        sinks=None if v["sinks"] is None else to_f64(v["sinks"]),
+        to_f64(v["va"]), to_f64(v["sa"]), to_f64(v["vb"]), to_f64(v["sb"]),
+        lse_base=v["base"], prefix_rows=prefix_rows, a_empty_rows=a_empty_rows,
+        suffix_verbatim=verbatim, sinks=None if v["sinks"] is None else to_f64(v["sinks"]),
     )  # fmt: skip
     rows = None if v["mask"] is None else to_f64(v["mask"]).astype(bool)
     write_merged(o, res, v, rows)
     if ol is not None:
         write(ol, lse, rows)
-    return out, out_lse
 
 
-def merge_states(call: Any, validate: Callable[[], dict]) -> tuple[Any, Any]:
-    v = validate()
-    vt, o, ol = v["v"], v["out"], v["out_lse"]
-    _, T, H, D = vt.shape
-    out, o, out_lse, ol = _outputs(call.objs[2], o, call.objs[3], ol, vt, (T, H, D), call.scalars[1])
+def merge_states(v: dict, o: Tensor, ol: Tensor | None) -> None:
+    """A validated N-way merge (``merge_checks.n``'s records) into ``o``/``ol``."""
     sinks = None if v["sinks"] is None else to_f64(v["sinks"])
-    res, lse = reference.merge_states(to_f64(vt), to_f64(v["s"]), v["base"], sinks)
+    res, lse = reference.merge_states(to_f64(v["v"]), to_f64(v["s"]), v["base"], sinks)
     write_merged(o, res, v)
     if ol is not None:
         write(ol, lse)
-    return out, out_lse
-
-
-def _outputs(out, o, out_lse, ol, like, shape, allocate_lse):
-    """The merge's outputs and their records, allocating ``out`` (like the inputs) when None and
-    ``out_lse`` when None and ``allocate_lse``."""
-    if o is None:
-        out = new(like, shape, like.dtype)
-        o = view(out, "out")
-    if ol is None and allocate_lse:
-        out_lse = new(like, shape[:2], "float32")
-        ol = view(out_lse, "out_lse")
-    return out, o, out_lse, ol
 
 
 def empty_rows(v: dict, rule_offsets: bool) -> None:
@@ -122,25 +99,3 @@ def write(t: Tensor, value: np.ndarray, rows: np.ndarray | None = None) -> None:
         a[...] = value.astype(a.dtype)
     else:
         a[rows] = value[rows].astype(a.dtype)
-
-
-def new(like: Tensor, shape: tuple[int, ...], dtype: str) -> Any:
-    """An uninitialised tensor of the same producer family and device as ``like``."""
-    if like.is_torch:
-        torch = sys.modules["torch"]
-        device = "cpu" if like.device < 0 else like.device
-        return torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-    if like.device < 0:
-        return np.empty(shape, dtype=_numpy_dtype(dtype))
-    import cupy
-
-    with cupy.cuda.Device(like.device):
-        return cupy.empty(shape, dtype=_numpy_dtype(dtype))
-
-
-def _numpy_dtype(name: str) -> Any:
-    if name in ("bfloat16", "float8_e4m3fn"):
-        import ml_dtypes
-
-        return getattr(ml_dtypes, name)
-    return np.dtype(name)

@@ -1,149 +1,309 @@
-"""The facts of one call: each tensor's pointer, shape, strides, dtype and device, read once.
+"""Reading a call's arguments once into a named record of facts.
 
-torch tensors are read directly (no ``__dlpack__``: no per-call stream handshake); any other
-producer through :func:`zerokv.core.tensors.view`. Nothing here validates with messages: an
-argument that is not a tensor, or tensors on several devices, only mark the call so that the
-op's full validation (which names the argument) runs and raises.
+Each op has its record: for every tensor its pointer, strides and shape under the names of
+the kernels' parameters (``va``, ``va_st``, ``va_sh``, ...), so that a launch packs them by
+name, plus the call's signature part (dtypes, devices, vector alignment). torch tensors are
+read directly (``data_ptr``/``shape``/``stride``: no ``__dlpack__``, no stream handshake);
+every other producer through :func:`zerokv.core.tensors.view`. Nothing here validates: a
+reader that meets anything unexpected returns None and the op's full validation names it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from . import cpu_path as _host
-from . import runtime as _runtime
-from .checks import extent
-from .tensors import Tensor, torch_dtype_names, torch_tensor_type, view  # noqa: F401
+from . import layout as _layout
+from .tensors import torch_tensor_type, view
 
-_BAD = (0, (), ())  # facts of an argument that is not a tensor
+_ITEMSIZE = {}  # dtype (torch object or name) -> bytes, filled as dtypes are met
 
 
-def read(x: Any) -> tuple:
-    """``(ptr, shape, strides)`` of a tensor (strides in elements)."""
-    if type(x) is torch_tensor_type():
-        return x.data_ptr(), x.shape, x.stride()
-    t = view(x, "tensor")
-    return t.ptr, t.shape, t.strides
+def _itemsize(dtype: Any) -> int:
+    size = _ITEMSIZE.get(dtype)
+    if size is None:
+        from .checks import itemsize
+
+        size = _ITEMSIZE[dtype] = dtype.itemsize if hasattr(dtype, "itemsize") else itemsize(str(dtype))
+    return size
 
 
-class Call:
-    """One call's tensors as facts. ``objs``: the caller's objects (``None`` allowed);
-    ``scalars``: the call's other signature parts (base, flags). ``device``: the first
-    tensor's device (-1: host memory)."""
+class _Generic:
+    """One tensor of any producer, read through ``view``: what the readers take from it."""
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "obj")
+
+    def __init__(self, x: Any) -> None:
+        t = view(x, "tensor")
+        self.ptr, self.shape, self.strides, self.dtype, self.device, self.obj = (
+            t.ptr, tuple(t.shape), tuple(t.strides), t.dtype, t.device, x,
+        )  # fmt: skip
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple:
+        return self.strides
+
+    def get_device(self) -> int:
+        return self.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return False
+
+    def is_inference(self) -> bool:
+        return False
+
+
+def generic(x: Any) -> Any:
+    """``x`` itself for a torch tensor (or None), else its facts in torch's spelling."""
+    if x is None or type(x) is torch_tensor_type():
+        return x
+    return _Generic(x)
+
+
+def writable_cheap(x: Any) -> bool:
+    """An output that the full check (``checks.writable``) would let through, decided from
+    the object alone: a torch tensor that needs no grad and is no inference tensor; a CUDA
+    array of another producer that is not a JAX array."""
+    if type(x) is _Generic:
+        return type(x.obj).__module__.split(".", 1)[0] not in ("jax", "jaxlib")
+    return not (x.requires_grad or x.is_inference())
+
+
+class TwoFacts:
+    """A two-way merge call: its objects (``objs``, the caller's, in the order v_a, s_a, v_b,
+    s_b, out, out_lse, a_cu, a_lens, row_mask, out_scale, sinks), its signature part
+    (``sig``) and each tensor's facts under the kernel's parameter names; a missing tensor
+    has pointer 0. ``torch``: every tensor is a torch tensor (their stream and allocator)."""
 
     __slots__ = (
-        "op",
-        "objs",
-        "facts",
-        "dtypes",
-        "device",
-        "is_torch",
-        "mixed",
-        "scalars",
-        "aligned",
-        "widest",
-    )
+        "objs", "sig", "torch", "device", "neg",
+        "va", "va_st", "va_sh", "va_in", "vb", "vb_st", "vb_sh", "vb_in", "vb_shape",
+        "sa", "sa_st", "sa_sh", "sa_shape", "sb", "sb_st", "sb_sh", "sb_shape",
+        "out", "out_st", "out_sh", "out_in", "out_shape", "olse", "ol_st", "ol_sh", "ol_shape",
+        "T", "H", "D", "prefix_rows",
+        "a_cu", "a_lens", "a_batch", "cu_len", "cu_st", "lens_len", "lens_st",
+        "row_mask", "mask_len", "mask_st", "sinks", "sinks_len", "sinks_st", "out_scale", "scale_len",
+    )  # fmt: skip
 
-    def __init__(self, op: str, objs: tuple, scalars: tuple) -> None:
-        self.op = op
-        self.objs = objs
-        self.scalars = scalars
-        try:  # torch tensors (and None): read directly
-            names = torch_dtype_names()
-            self.facts = [None if x is None else (x.data_ptr(), x.shape, x.stride()) for x in objs]
-            self.dtypes = [None if x is None else names[x.dtype] for x in objs]
-            devices = {x.get_device() for x in objs if x is not None}
-            self.is_torch = True
-        except (AttributeError, KeyError, TypeError):  # any other producer, or not a tensor
-            devices = self._read_any(objs)
-        self.widest = None  # set by disjoint_outputs
-        self.mixed = len(devices) > 1
-        self.device = min(devices) if devices else -1
 
-    def _read_any(self, objs: tuple) -> set:
-        facts: list = []
-        dtypes: list = []
-        devices = set()
-        is_torch = True
-        for x in objs:
-            if x is None:
-                facts.append(None)
-                dtypes.append(None)
-                continue
-            try:
-                t = view(x, "tensor")
-            except TypeError:
-                facts.append(_BAD)
-                dtypes.append("not a tensor")
-                is_torch = False
-                continue
-            is_torch = is_torch and t.is_torch
-            facts.append((t.ptr, t.shape, t.strides))
-            dtypes.append(t.dtype)
-            devices.add(t.device)
-        self.facts, self.dtypes, self.is_torch = facts, dtypes, is_torch
-        return devices
+def read_two(objs: tuple) -> TwoFacts | None:
+    """The facts of a two-way merge; None when an argument is not a tensor of the expected
+    rank (the full validation then says which)."""
+    try:
+        return _read_two(objs, True, *objs)  # torch tensors: any other object has no data_ptr
+    except (AttributeError, TypeError, ValueError):
+        pass
+    try:
+        gen = tuple(generic(x) for x in objs)
+        return _read_two(objs, all(type(x) is not _Generic for x in gen), *gen)
+    except (AttributeError, TypeError, ValueError):
+        return None
 
-    def key(self, aligned: bool) -> tuple:
-        """The call's signature: op, scalars, dtypes, device, producer family, layout facts."""
-        self.aligned = aligned
-        return (self.op, self.scalars, *self.dtypes, self.device, self.is_torch, self.mixed, aligned)
 
-    def views(self, names: tuple[str, ...], shown: tuple[str, ...] | None = None) -> dict[str, Tensor | None]:
-        """Full records of every argument by name (the validation path); ``view`` raises a
-        ``TypeError`` naming the argument (as ``shown``, the caller's names) for anything that
-        is not a tensor. Arguments past the call's objects are None."""
-        shown = shown or names
-        objs = self.objs + (None,) * (len(names) - len(self.objs))
-        return {n: (None if x is None else view(x, s)) for n, s, x in zip(names, shown, objs, strict=True)}
+def _read_two(objs, torch, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks) -> TwoFacts:
+    f = TwoFacts()
+    f.objs, f.torch = objs, torch
+    f.va = pa = v_a.data_ptr()
+    f.T, f.H, f.D = T, H, D = v_a.shape
+    sta0, sta1, f.va_in = v_a.stride()
+    f.va_st, f.va_sh = sta0, sta1
+    f.vb = pb = v_b.data_ptr()
+    f.vb_shape = v_b.shape
+    stb0, stb1, f.vb_in = v_b.stride()
+    f.vb_st, f.vb_sh = stb0, stb1
+    f.sa, f.sa_shape = s_a.data_ptr(), s_a.shape
+    f.sa_st, f.sa_sh = ssa = s_a.stride()
+    f.sb, f.sb_shape = s_b.data_ptr(), s_b.shape
+    f.sb_st, f.sb_sh = ssb = s_b.stride()
+    dv = v_a.dtype
+    f.device = dev = v_a.get_device()
+    isz = _ITEMSIZE.get(dv) or _itemsize(dv)
+    w = _layout.VECTOR_BYTES // isz
+    ok = _layout.aligned(pa | pb, isz, w, sta0 | sta1 | stb0 | stb1 | D)
+    neg = not torch and min(sta0, sta1, stb0, stb1, *ssa, *ssb) < 0
+    sig = [dv, v_b.dtype, s_a.dtype, s_b.dtype, dev, v_b.get_device(), s_a.get_device(), s_b.get_device()]
+    if out is None:
+        f.out = f.out_st = f.out_sh = 0
+        f.out_shape = None
+        sig.append(None)
+    else:
+        f.out = po = out.data_ptr()
+        f.out_shape = out.shape
+        st0, st1, f.out_in = out.stride()
+        f.out_st, f.out_sh = st0, st1
+        do = out.dtype
+        ok = ok and _layout.aligned(po, _ITEMSIZE.get(do) or _itemsize(do), w, st0 | st1)
+        neg = neg or (not torch and min(st0, st1) < 0)
+        sig += (do, out.get_device())
+    if out_lse is None:
+        f.olse = f.ol_st = f.ol_sh = 0
+        f.ol_shape = None
+        sig.append(None)
+    else:
+        f.olse, f.ol_shape = out_lse.data_ptr(), out_lse.shape
+        f.ol_st, f.ol_sh = st = out_lse.stride()
+        neg = neg or (not torch and min(st) < 0)
+        sig += (out_lse.dtype, out_lse.get_device())
+    f.a_cu = f.a_lens = f.a_batch = f.row_mask = f.sinks = f.out_scale = 0
+    if cu is not None or lens is not None or mask is not None or scale is not None or sinks is not None:
+        neg = _read_options(f, sig, cu, lens, mask, scale, sinks) or neg
+    f.neg = neg
+    sig += (ok, torch)
+    f.sig = tuple(sig)
+    return f
 
-    def stream(self) -> int:
-        """The producer's current stream on the call's device."""
-        if self.is_torch:
-            return _runtime.torch_stream(self.device)
-        return _runtime.cupy_stream(self.device)
 
-    def new(self, shape: tuple[int, ...], dtype: str) -> Any:
-        """An uninitialised output like the first tensor (same producer family and device)."""
-        first = next(x for x in self.objs if x is not None)
-        like = Tensor(first, 0, (), (), dtype, self.device, self.is_torch)
-        return _host.new(like, shape, dtype)
+def _read_options(f: TwoFacts, sig: list, cu, lens, mask, scale, sinks) -> bool:
+    """The option tensors' facts (a_empty's pair, row_mask, out_scale, sinks); True when one
+    has a negative stride."""
+    neg = False
+    for name, x in (("cu", cu), ("lens", lens), ("mask", mask), ("scale", scale), ("sinks", sinks)):
+        if x is None:
+            sig.append(None)
+            continue
+        (n,) = x.shape if name != "scale" else (_numel(x.shape),)
+        st = x.stride()[0] if name != "scale" and n else 1
+        neg = neg or st < 0
+        ptr = x.data_ptr()
+        sig += (name, x.dtype, x.get_device())
+        if name == "cu":
+            f.a_cu, f.cu_len, f.cu_st, f.a_batch = ptr, n, st, n - 1
+        elif name == "lens":
+            f.a_lens, f.lens_len, f.lens_st = ptr, n, st
+        elif name == "mask":
+            f.row_mask, f.mask_len, f.mask_st = ptr, n, st
+        elif name == "scale":
+            f.out_scale, f.scale_len = ptr, n
+        else:
+            f.sinks, f.sinks_len, f.sinks_st = ptr, n, st
+    return neg
 
-    def writable(self, outputs: tuple[int, ...]) -> bool:
-        """Whether the outputs at these positions may be written without the full check: torch
-        tensors that neither require grad nor are inference tensors; other producers always take
-        the full check (``zerokv.core.checks.writable``)."""
-        for i in outputs:
-            x = self.objs[i] if i < len(self.objs) else None
-            if x is None:
-                continue
-            if not self.is_torch or x.requires_grad or x.is_inference():
-                return False
-        return True
 
-    def disjoint_outputs(self, itemsizes: list, outs: tuple) -> bool:
-        """True when every output shares no byte with any other tensor of the call, except an
-        exact alias (same pointer, shape, strides, dtype) of an input it may alias. False sends
-        the call to the full check, which decides exactly (and raises when they overlap)."""
-        facts, dtypes = self.facts, self.dtypes
-        spans = {}
-        widest = 0
-        for i, f in enumerate(facts):
-            if f is not None:
-                size = itemsizes[i] or 1
-                spans[i] = s = extent(f[0], f[1], f[2], size)
-                widest = max(widest, (s[1] - s[0]) // size)
-        self.widest = widest  # elements spanned by the widest tensor: bounds any element offset in it
-        for o, may_alias in outs:
-            so = spans.get(o)
-            if so is None:
-                continue
-            lo, hi = so
-            fo = facts[o]
-            for i, s in spans.items():
-                if i == o or s[1] <= lo or hi <= s[0]:
-                    continue
-                if i in may_alias and facts[i] == fo and dtypes[i] == dtypes[o]:
-                    continue
-                return False
-        return True
+def _numel(shape: tuple) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class NFacts:
+    """An N-way merge call: objects (v, s, out, out_lse, out_scale, sinks), signature part
+    and facts under merge_states_kernel's parameter names."""
+
+    __slots__ = (
+        "objs", "sig", "torch", "device", "neg",
+        "v", "v_sn", "v_st", "v_sh", "v_in", "s", "s_sn", "s_st", "s_sh", "s_shape",
+        "out", "out_st", "out_sh", "out_in", "out_shape", "olse", "ol_st", "ol_sh", "ol_shape",
+        "N", "T", "H", "D", "sinks", "sinks_len", "sinks_st", "out_scale", "scale_len",
+    )  # fmt: skip
+
+
+def read_n(objs: tuple) -> NFacts | None:
+    try:
+        return _read_n(objs, True, *objs)
+    except (AttributeError, TypeError, ValueError):
+        pass
+    try:
+        gen = tuple(generic(x) for x in objs)
+        return _read_n(objs, all(type(x) is not _Generic for x in gen), *gen)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _read_n(objs, torch, v, s, out, out_lse, scale, sinks) -> NFacts:
+    f = NFacts()
+    f.objs, f.torch = objs, torch
+    f.v = pv = v.data_ptr()
+    f.N, f.T, f.H, f.D = v.shape
+    f.v_sn, f.v_st, f.v_sh, f.v_in = st = v.stride()
+    f.s, f.s_shape = s.data_ptr(), s.shape
+    f.s_sn, f.s_st, f.s_sh = sts = s.stride()
+    dv = v.dtype
+    f.device = dev = v.get_device()
+    isz = _itemsize(dv)
+    w = _layout.vec(isz)
+    ok = _layout.aligned(pv, isz, w, st[0] | st[1] | st[2] | f.D)
+    neg = not torch and min(*st, *sts) < 0
+    sig = [dv, s.dtype, dev, s.get_device()]
+    if out is None:
+        f.out = f.out_st = f.out_sh = 0
+        f.out_shape = None
+        sig.append(None)
+    else:
+        f.out, f.out_shape = po, _ = out.data_ptr(), out.shape
+        f.out_st, f.out_sh, f.out_in = sto = out.stride()
+        do = out.dtype
+        ok = ok and _layout.aligned(po, _itemsize(do), w, sto[0] | sto[1])
+        neg = neg or (not torch and min(sto) < 0)
+        sig += (do, out.get_device())
+    if out_lse is None:
+        f.olse = f.ol_st = f.ol_sh = 0
+        f.ol_shape = None
+        sig.append(None)
+    else:
+        f.olse, f.ol_shape = out_lse.data_ptr(), out_lse.shape
+        f.ol_st, f.ol_sh = stl = out_lse.stride()
+        neg = neg or (not torch and min(stl) < 0)
+        sig += (out_lse.dtype, out_lse.get_device())
+    f.sinks = f.out_scale = 0
+    if scale is not None:
+        f.out_scale, f.scale_len = scale.data_ptr(), _numel(scale.shape)
+        sig += (scale.dtype, scale.get_device())
+    if sinks is not None:
+        (f.sinks_len,) = sinks.shape
+        f.sinks, f.sinks_st = sinks.data_ptr(), sinks.stride()[0] if f.sinks_len else 1
+        sig += ("sinks", sinks.dtype, sinks.get_device())
+    f.neg = neg
+    sig += (ok, torch)
+    f.sig = tuple(sig)
+    return f
+
+
+class RowsFacts:
+    """An empty-rows call: objects (out, lse, cu_q, lens) and facts under empty_rows_kernel's
+    parameter names."""
+
+    __slots__ = (
+        "objs", "sig", "torch", "device", "neg",
+        "out", "out_st", "out_sh", "out_in", "lse", "lse_st", "lse_sh", "lse_shape",
+        "cu_q", "cu_len", "cu_st", "lens", "lens_len", "lens_st", "batch", "T", "H", "D", "flat",
+    )  # fmt: skip
+
+
+def read_rows(objs: tuple) -> RowsFacts | None:
+    try:
+        return _read_rows(objs, True, *objs)
+    except (AttributeError, TypeError, ValueError):
+        pass
+    try:
+        gen = tuple(generic(x) for x in objs)
+        return _read_rows(objs, all(type(x) is not _Generic for x in gen), *gen)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _read_rows(objs, torch, out, lse, cu, lens) -> RowsFacts:
+    f = RowsFacts()
+    f.objs, f.torch = objs, torch
+    f.out = po = out.data_ptr()
+    f.T, f.H, f.D = T, H, D = out.shape
+    f.out_st, f.out_sh, f.out_in = st = out.stride()
+    f.lse, f.lse_shape = lse.data_ptr(), lse.shape
+    f.lse_st, f.lse_sh = stl = lse.stride()
+    (f.cu_len,), (f.lens_len,) = cu.shape, lens.shape
+    f.cu_q, f.lens = cu.data_ptr(), lens.data_ptr()
+    f.cu_st = cu.stride()[0] if f.cu_len else 1
+    f.lens_st = lens.stride()[0] if f.lens_len else 1
+    f.batch = f.cu_len - 1
+    f.flat = int(st[1] == D and st[0] == H * D)
+    do = out.dtype
+    f.device = dev = out.get_device()
+    isz = _itemsize(do)
+    w = _layout.vec(isz)
+    ok = _layout.aligned(po, isz, w, st[0] | st[1] | D)
+    f.neg = not torch and min(*st, *stl, f.cu_st, f.lens_st) < 0
+    devices = (dev, lse.get_device(), cu.get_device(), lens.get_device())
+    f.sig = (do, lse.dtype, cu.dtype, lens.dtype, *devices, ok, f.torch)
+    return f

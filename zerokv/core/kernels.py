@@ -12,10 +12,12 @@ the C parameter list in ``kernels_cu/``: names, types and order.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
 from . import dtypes as _dtypes
+from . import layout as _layout
 
 # C type -> (struct code, bytes); the alignment of each is its size.
 CTYPES = {"ptr": ("Q", 8), "i64": ("q", 8), "i32": ("i", 4), "u32": ("I", 4), "f32": ("f", 4)}
@@ -54,6 +56,25 @@ class Kernel:
             offset += pad + size
         return struct.Struct(fmt)
 
+    def binder(self, *sources: tuple[str, type]) -> Callable[..., None]:
+        """``bind(buf, *records)``: packs every parameter into ``buf`` by name, each from the
+        first record (``(variable, class)`` in ``sources``, classes with ``__slots__``) that
+        holds an attribute of that name. Generated once from the description: a missing name
+        fails here, and a launch costs one positional ``pack_into``."""
+        exprs = []
+        for name, _ in self.params:
+            var = next((v for v, cls in sources if name in _slots(cls)), None)
+            if var is None:
+                raise TypeError(
+                    f"{self.name}: no record among {[c.__name__ for _, c in sources]} holds {name}"
+                )
+            exprs.append(f"{var}.{name}")
+        args = ", ".join(v for v, _ in sources)
+        code = f"def bind(buf, {args}):\n    pack_into(buf, 0, {', '.join(exprs)})\n"
+        scope = {"pack_into": self.packer.pack_into}
+        exec(compile(code, f"<{self.name} binder>", "exec"), scope)
+        return scope["bind"]
+
     def pack(self, **values: float) -> bytes:
         """Pack by parameter name (slow, for tests and one-off launches); every name required."""
         names = {n for n, _ in self.params}
@@ -64,9 +85,14 @@ class Kernel:
         return self.packer.pack(*(values[n] for n, _ in self.params))
 
 
+def _slots(cls: type) -> set[str]:
+    """Attribute names of a record class: its ``__slots__`` (any base's too), or a NamedTuple's fields."""
+    return {n for c in cls.__mro__ for n in (*getattr(c, "__slots__", ()), *getattr(c, "_fields", ()))}
+
+
 def vec(dtype: str) -> int:
     """Elements of ``dtype`` per 16-byte access: the vector width of an aligned call."""
-    return 16 // _dtypes.itemsize(dtype)
+    return _layout.vec(_dtypes.itemsize(dtype))
 
 
 @lru_cache(maxsize=256)
@@ -74,7 +100,7 @@ def fast_divisor(d: int) -> tuple[int, int]:
     """``(mul, shr)`` such that ``n // d == (n * mul >> 32) >> shr`` for every ``0 <= n < 2**31``
     (the kernels' ``fast_div``); ``(0, 0)`` for ``d == 1``. ``mul = ceil(2**p / d)`` with
     ``p = 31 + ceil(log2 d)``: its error ``mul * d - 2**p < d`` stays below ``2**p / n``."""
-    if not 1 <= d < 2**31:
+    if not 1 <= d < _layout.INT32:
         raise ValueError(f"fast_divisor: d must be in [1, 2**31), got {d}")
     if d == 1:
         return 0, 0

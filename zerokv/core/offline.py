@@ -21,7 +21,7 @@ from typing import Any
 
 from . import disk_cache as _cache
 from . import kernels as _kernels
-from . import runtime as _runtime
+from . import sources as _sources
 
 MIN_ARCH = 80
 # Archs CI compiles for: A100, A10/L4/RTX 30, L40/RTX 40, H100/H200, B200, RTX 50.
@@ -150,7 +150,7 @@ def check_arch(arch: str) -> str:
 
 def options(arch: str) -> list[str]:
     # -ftz=true: CuPy always adds it, so the offline build matches the run-time one.
-    return [f"-arch={arch}", "-ftz=true", *_runtime.NVRTC_OPTIONS]
+    return [f"-arch={arch}", "-ftz=true", *_sources.NVRTC_OPTIONS]
 
 
 def _log(prog: Any) -> str:
@@ -204,7 +204,7 @@ def compile_stem(
     instantiation and carrying the NVRTC log.
     """
     exprs = _kernels.instantiations()[stem]
-    code = _runtime.source(stem, directory)
+    code = _sources.source(stem, directory)
     filename = f"{stem}.cu"
     key = _cache.digest(
         code, "\0".join(exprs), " ".join(options(arch)), "nvrtc {}.{}".format(*nvrtc_version())

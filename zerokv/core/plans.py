@@ -5,8 +5,9 @@ optional arguments are given and the layout facts that choose an instantiation (
 which LSE axis has unit stride). Never pointers or shapes: an engine that changes the token
 count on every step finds its plan on every step.
 
-``lookup(key, build)`` is the one place plans are found; ``build()`` validates the whole call
-and returns the plan, once per key (under a lock, so concurrent first calls build once).
+``get(key)`` finds a plan; on a miss ``lookup(key, build)`` builds it: ``build()`` validates
+the whole call and returns the plan, once per key (under a lock, so concurrent first calls
+build once).
 ``clear_cache()`` forgets the plans and then the loaded functions they hold.
 """
 
@@ -16,7 +17,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import runtime as _runtime
+from . import compiler as _compiler
+from . import launch as _launch
 
 _plans: dict[Any, Any] = {}
 _lock = threading.RLock()  # builders look up the launchers they use
@@ -34,25 +36,22 @@ def lookup(key: Any, build: Callable[[], Any]) -> Any:
     return plan
 
 
-def find(key: Any) -> Any:
-    """The plan stored under ``key``, or None (the torch fast paths: no build on a miss)."""
-    return _plans.get(key)
+get = _plans.get  # the plan stored under a key, or None: the calls' one lookup
 
 
 def remember(key: Any, plan: Any) -> None:
-    """Store ``plan`` under ``key`` (also a fast path's shorter signature for a plan built
-    under its full one); past LIMIT entries the table starts again."""
+    """Store ``plan`` under ``key``; past LIMIT entries the table starts again."""
     with _lock:
         if len(_plans) >= LIMIT:
             _plans.clear()
         _plans[key] = plan
 
 
-def launcher(kernel: Any, targs: tuple, device: int) -> _runtime.Launcher:
+def launcher(kernel: Any, targs: tuple, device: int) -> _launch.Launcher:
     """The launcher of one instantiation, shared by every plan that uses it."""
     return lookup(
         ("launcher", kernel.stem, kernel.name, targs, device),
-        lambda: _runtime.Launcher(kernel, targs, device),
+        lambda: _launch.Launcher(kernel, targs, device),
     )
 
 
@@ -60,4 +59,4 @@ def clear_cache() -> None:
     """Forget every plan, then every loaded function (the disk cache stays)."""
     with _lock:
         _plans.clear()
-    _runtime.clear_functions()
+    _compiler.clear_functions()

@@ -189,6 +189,6 @@ def _producer_stream(device: tuple[int, int]) -> int | None:
     current stream."""
     if device[0] not in (_DL_CUDA, _DL_CUDA_MANAGED):
         return None
-    from . import runtime as _runtime
+    from . import device as _device
 
-    return _runtime.cupy_stream(device[1]) or 1  # 1: the legacy default stream
+    return _device.cupy_stream(device[1]) or 1  # 1: the legacy default stream

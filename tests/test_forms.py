@@ -1,0 +1,112 @@
+"""Form selection as a pure function: each threshold of ``forms.THRESHOLDS`` on both sides of
+its edge, and the facts that rule forms out (options, an in-place LSE, 64-bit spans, strides)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerokv.core import forms
+from zerokv.core.layout import INT32
+
+DEV = forms.Device(sms=132, l2=50 << 20)
+BF16 = ("zk_bfloat16", "zk_bfloat16")
+TH = forms.THRESHOLDS
+
+
+def _call(T, H=8, D=128, vec=8, dtype="bfloat16", out="bfloat16", features=(), **kw):
+    facts = {"inplace_lse": False, "fits32": True, "strides32": True, "lse_tiles": False} | kw
+    return forms.MergeCall(T, H, D, vec, dtype, out, frozenset(features), **facts)
+
+
+def _pick(c, dev=DEV):
+    f = forms.merge_two(c, dev, BF16)
+    return f.kernel.name, f.targs
+
+
+def _tokens_for(threads, H=8, D=128, vec=8):
+    """T giving exactly ``threads`` (one per pack) at H heads of D elements."""
+    per_token = H * D // vec
+    assert threads % per_token == 0
+    return threads // per_token
+
+
+def test_gathered_form_from_its_threshold_on():
+    edge = TH["gathered_threads"]
+    below = _pick(_call(_tokens_for(edge - 128)))
+    at = _pick(_call(_tokens_for(edge)))
+    assert below[0] == "merge_state_flat_kernel" and at[0] == "merge_state_flat_gathered_kernel"
+    assert _pick(_call(_tokens_for(edge), lse_tiles=True))[1] == (*BF16, 8, 1)
+
+
+def test_heads_form_up_to_its_packs():
+    edge = TH["heads_packs"]  # counted in packs of 16 bytes
+    H, D = 2, 64  # 8 packs of 16 bytes per row: 16 per token
+    T = edge // 16
+    assert _pick(_call(T, H, D))[0] == "merge_state_heads_kernel"
+    assert _pick(_call(T + 1, H, D))[0] == "merge_state_flat_kernel"
+    assert _pick(_call(1, 3, 96))[0] == "merge_state_flat_kernel"  # 12 packs: not a power of two
+    assert _pick(_call(1, 8, 64, dtype="float16"))[1] == (*BF16, 8)  # fp16: 16-byte packs
+    assert _pick(_call(1, 8, 64))[1] == (*BF16, 4)  # bf16: 8-byte packs
+    assert _pick(_call(1, 8, 1024))[1] == (*BF16, 8)  # ... unless a row would pass a block of them
+
+
+def test_small_form_for_one_wave():
+    edge = TH["small_blocks_per_sm"] * DEV.sms * 128  # threads of one wave of 128-thread blocks
+    assert _pick(_call(_tokens_for(edge)))[1] == (*BF16, 8, 1)
+    assert _pick(_call(_tokens_for(edge) + 1))[1] == (*BF16, 8, 0)
+    small_dev = forms.Device(sms=66, l2=DEV.l2)
+    assert _pick(_call(_tokens_for(edge)), small_dev)[1] == (*BF16, 8, 0)
+
+
+def test_row_group_kernel_takes_two_packs_per_thread_for_batches_in_l2():
+    a, b, x, y = TH["rows_mid_l2"]
+    elem = 2 * 2 + 2  # bytes moved per element: two bf16 inputs, one bf16 output
+    H, D = 1, 128  # 16 packs per row
+    lo, hi = DEV.l2 * a // b, DEV.l2 * x // y
+
+    def ppt(nbytes):
+        T = -(-nbytes // (H * D * elem))
+        return _pick(_call(T, H, D, inplace_lse=True))[1][3], T * H * D * elem
+
+    assert ppt(lo)[0] == 2 and ppt(hi - H * D * elem)[0] == 2
+    below, n = ppt(lo - H * D * elem)
+    assert n < lo and below == 1
+    above, n = ppt(hi + H * D * elem)
+    assert n > hi and above == 1
+
+
+def test_options_take_the_row_group_kernel_with_their_code():
+    for feature in ("a_empty", "row_mask", "sinks", "out_scale"):
+        name, targs = _pick(_call(64, features=(feature,)))
+        assert name == "merge_state_kernel" and targs[4:] == (1, "long long")
+    name, targs = _pick(_call(64, out="float8_e4m3fn", features=("out_scale",)))
+    assert targs[4] == 1
+
+
+def test_facts_that_rule_out_the_flat_forms():
+    assert _pick(_call(64, inplace_lse=True))[1] == (*BF16, 8, 1, 0, "int")
+    assert _pick(_call(64, strides32=False))[1] == (*BF16, 8, 1, 0, "int")
+    assert _pick(_call(64, D=0))[0] == "merge_state_kernel"
+    assert _pick(_call(64, fits32=False))[0] == "merge_state_flat64_gathered_kernel"
+    assert _pick(_call(64, vec=1, fits32=False))[1] == (*BF16, 1, 1, 0, "long long")
+    huge = _tokens_for(INT32, H=8, D=128)
+    assert _pick(_call(huge, fits32=False))[0] == "merge_state_kernel"
+
+
+def test_merge_states_two_packs_per_lane_from_its_threshold():
+    edge = TH["n_two_packs_per_sm"] * DEV.sms
+    packs = 16
+    rows = edge // packs
+    assert forms.merge_states_lanes(packs, rows - 1, DEV) == 16
+    assert forms.merge_states_lanes(packs, rows, DEV) == 8
+
+
+@pytest.mark.parametrize("vec", [1, 8])
+def test_empty_rows_grid_is_persistent_but_never_past_one_store_per_thread(vec):
+    per_sm = TH["empty_rows_blocks_per_sm"]
+    H, D = 4, 64
+    per_token = H * max(1, D // vec)
+    full = per_sm * DEV.sms * 256 // per_token  # tokens that fill the persistent grid
+    assert forms.empty_rows_grid(full, H, D, vec, DEV) == per_sm * DEV.sms
+    assert forms.empty_rows_grid(full * 4, H, D, vec, DEV) == per_sm * DEV.sms
+    assert forms.empty_rows_grid(1, H, D, vec, DEV) == 1

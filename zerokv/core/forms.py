@@ -1,0 +1,219 @@
+"""Which kernel form runs a call: pure functions of the call's facts and the device's
+properties, their thresholds in one table.
+
+A merge form family is a row of ``MERGE_FORMS``: its rule (the call's facts -> a ``Form``:
+kernel description, template arguments, grid, geometry; or None), the options (features) its
+code takes, and the template arguments a call's features add (``flags``). ``merge_two`` walks
+the rows in order and takes the first whose features cover the call's and whose rule gives a
+form; the "rows" row (merge_state_kernel) takes every feature and layout, so it ends the walk.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from . import dtypes as _dtypes
+from . import kernels as _kernels
+from .layout import INT32
+
+# Every threshold of form selection, each measured on an H200 (bench/NOTES.md, entry named).
+THRESHOLDS = {
+    # one thread per pack from here on: the 512-thread form that gathers the output LSE (entry 40)
+    "gathered_threads": 1 << 19,
+    # up to this many packs, with rows of a power of two of at most a block of packs: blocks
+    # of heads of one token (entry 42)
+    "heads_packs": 2048,
+    # grids of at most this many blocks per SM (one wave of 128-thread blocks): SMALL = 1 (entry 41)
+    "small_blocks_per_sm": 16,
+    # the row-group kernel: two packs per thread for batches of a tenth to six tenths of L2 (entry 15)
+    "rows_mid_l2": (1, 10, 6, 10),
+    # merge_states: two packs per lane from this many elements per SM (entry 15)
+    "n_two_packs_per_sm": 1 << 16,
+    # the empty-row ops' persistent grid (entry 20)
+    "empty_rows_blocks_per_sm": 1,
+}
+ROW_GROUP_MAX = 128  # lanes of a row group at most: one block (kernels_cu/merge.cu)
+
+
+class Device(NamedTuple):
+    """The device properties form selection reads."""
+
+    sms: int
+    l2: int
+
+
+class Form(NamedTuple):
+    """One launch's kernel, template arguments, grid and the geometry values its parameters
+    take by name (``kernels.Kernel.binder`` reads them from here)."""
+
+    kernel: _kernels.Kernel
+    targs: tuple
+    grid: int
+    grid_y: int = 1
+    rows: int = 0
+    packs: int = 0
+    packs_mul: int = 0
+    packs_shr: int = 0
+    H_mul: int = 0  # noqa: N815 - the kernel's parameter name
+    H_shr: int = 0  # noqa: N815
+    lanes: int = 0
+
+
+class MergeCall(NamedTuple):
+    """The facts of a two-way merge that choose its form (cached by the plans on these)."""
+
+    T: int
+    H: int
+    D: int
+    vec: int  # elements per pack: the signature's vector width, 1 when not aligned
+    in_dtype: str
+    out_dtype: str
+    features: frozenset  # options given: "a_empty", "row_mask", "sinks", "out_scale"
+    inplace_lse: bool  # out_lse is s_a or s_b: a row's lanes share one warp
+    fits32: bool  # every tensor's span, in elements, and T * H * D below 2^31
+    strides32: bool  # every stride fits a 32-bit parameter
+    lse_tiles: bool  # the LSE written (else the first read) has unit stride along tokens only
+
+
+def _div(d: int) -> tuple[int, int]:
+    return _kernels.fast_divisor(d)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def flat_family(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> Form | None:
+    """The flat kernel's forms (flat, heads, gathered, 64-bit gathered), or None where none
+    applies: an LSE written in place, D = 0, or a size that needs the row-group kernel.
+    ``flags``: template arguments after each form's own (the options' code, by feature)."""
+    if c.inplace_lse or not c.D:
+        return None
+    packs = c.D // c.vec
+    threads = c.T * c.H * packs
+    extra = (threads, packs, c.T * c.H)
+    if not c.fits32:
+        if threads >= INT32 or c.vec == 1:
+            return None
+        k = _kernels.MERGE_STATE_FLAT64_GATHERED
+        return _flat_form(k, (*ctypes, c.vec, *flags), extra, c.H)
+    if not c.strides32:
+        return None
+    if threads >= THRESHOLDS["gathered_threads"] and c.vec > 1:
+        k = _kernels.MERGE_STATE_FLAT_GATHERED
+        return _flat_form(k, (*ctypes, c.vec, int(c.lse_tiles), *flags), extra, c.H)
+    if threads <= THRESHOLDS["heads_packs"] and c.vec > 1:
+        heads = _heads(c, ctypes, flags)
+        if heads is not None:
+            return heads
+    small = int(threads <= THRESHOLDS["small_blocks_per_sm"] * dev.sms * _kernels.MERGE_STATE_FLAT.block)
+    return _flat_form(_kernels.MERGE_STATE_FLAT, (*ctypes, c.vec, small, *flags), extra, c.H)
+
+
+def _flat_form(k: _kernels.Kernel, targs: tuple, extra: tuple, H: int) -> Form:
+    threads, packs, rows = extra
+    pm, ps = _div(packs)
+    hm, hs = _div(H)
+    return Form(k, targs, _ceil(threads, k.block), 1, rows, packs, pm, ps, hm, hs)
+
+
+def _heads(c: MergeCall, ctypes: tuple, flags: tuple) -> Form | None:
+    """Blocks of heads of one token: rows of a power of two of at most a block of packs;
+    bf16 in packs of 8 bytes unless a row would pass a block of them (entry 38)."""
+    k = _kernels.MERGE_STATE_HEADS
+    vec = max(c.vec // 2, 1) if c.in_dtype == "bfloat16" else c.vec
+    if c.D // vec > k.block:
+        vec = c.vec
+    packs = c.D // vec
+    if packs > k.block or packs & (packs - 1):
+        return None
+    return Form(
+        k,
+        (*ctypes, vec, *flags),
+        _ceil(c.H * packs, k.block),
+        c.T,
+        packs=packs,
+        packs_shr=packs.bit_length() - 1,
+    )
+
+
+def _rows(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> Form:
+    """merge_state_kernel: a row's packs over ``lanes`` threads, ``ppt`` packs each; the lean
+    code (``full`` 0) without options, 32-bit indices where every offset fits (``flags``:
+    unused, its ``full`` takes every option)."""
+    packs = c.D // c.vec
+    nbytes = c.T * c.H * c.D * (2 * _dtypes.itemsize(c.in_dtype) + _dtypes.itemsize(c.out_dtype))
+    a, b, x, y = THRESHOLDS["rows_mid_l2"]
+    mid = dev.l2 * a // b <= nbytes <= dev.l2 * x // y
+    lanes, ppt = row_geometry(packs, mid, c.inplace_lse)
+    full = int(bool(c.features) or c.out_dtype == "float8_e4m3fn")
+    narrow = not full and c.fits32 and c.T * c.H * lanes < INT32
+    targs = (*ctypes, c.vec, ppt, full, "int" if narrow else "long long")
+    k = _kernels.MERGE_STATE
+    return Form(k, targs, _ceil(c.T * c.H * lanes, k.block), lanes=lanes)
+
+
+def row_geometry(packs: int, mid: bool, inplace_lse: bool) -> tuple[int, int]:
+    """``(lanes, packs per thread)`` of merge_state's row groups: one pack per thread over
+    ``lanes`` threads, except: batches that stay in L2 (``mid``) two packs per thread; a row
+    of more than 32 packs whose LSE is written in place keeps its lanes in one warp (two
+    packs each); a row wider than one block, two per round (entry 15)."""
+    lanes = _pow2_at_least(packs)
+    if packs > 32:
+        if inplace_lse:
+            return 32, 2
+        return min(lanes, ROW_GROUP_MAX), 1 if packs <= ROW_GROUP_MAX else 2
+    if mid and packs >= 4:
+        return lanes // 2, 2
+    return lanes, 1
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class MergeForm(NamedTuple):
+    """A row of the merge form table: the form's rule, and the options its kernels take."""
+
+    name: str
+    rule: Any  # (MergeCall, Device, ctypes, flags) -> Form | None
+    features: frozenset
+    flags: Any = lambda features: ()  # the call's features -> template arguments of their code
+
+
+MERGE_FORMS: tuple[MergeForm, ...] = (
+    MergeForm("flat", flat_family, frozenset()),
+    MergeForm("rows", _rows, frozenset({"a_empty", "row_mask", "sinks", "out_scale"})),
+)
+
+
+def merge_two(c: MergeCall, dev: Device, ctypes: tuple) -> Form:
+    """The form of a two-way merge (``ctypes``: the C element types, input and output)."""
+    for row in MERGE_FORMS:
+        if c.features <= row.features:
+            form = row.rule(c, dev, ctypes, row.flags(c.features))
+            if form is not None:
+                return form
+    raise AssertionError("MERGE_FORMS: the last row takes every call")  # pragma: no cover
+
+
+def merge_states_lanes(packs: int, rows: int, dev: Device) -> int:
+    """Threads per row of merge_states: as merge_state's, two packs per lane for large batches."""
+    lanes = min(32, _pow2_at_least(packs))
+    if lanes > 1 and rows * packs >= THRESHOLDS["n_two_packs_per_sm"] * dev.sms:
+        lanes //= 2
+    return lanes
+
+
+def merge_states(N: int, T: int, H: int, D: int, vec: int, dev: Device, targs: tuple) -> Form:
+    """merge_states_kernel's launch (N = 2 without options takes ``merge_two``'s forms)."""
+    lanes = merge_states_lanes(D // vec, T * H, dev)
+    k = _kernels.MERGE_STATES
+    return Form(k, targs, _ceil(T * H * lanes, k.block), lanes=lanes)
+
+
+def empty_rows_grid(T: int, H: int, D: int, vec: int, dev: Device) -> int:
+    """A persistent grid of blocks per SM, or fewer when even every row empty would not give
+    each thread one store (small batches: less to launch, the same scan)."""
+    k = _kernels.EMPTY_ROWS
+    return min(THRESHOLDS["empty_rows_blocks_per_sm"] * dev.sms, _ceil(T * H * max(1, D // vec), k.block))

@@ -1,0 +1,124 @@
+"""The full validation of the merges, with messages naming the caller's arguments.
+
+It runs on the first call of a signature (building its plan) and whenever a plan's cheap
+check fails; it raises ``TypeError`` / ``ValueError`` or returns the validated records.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import checks as _checks
+from . import dtypes as _dtypes
+from .layout import INT32
+from .tensors import Tensor, view
+
+_NAMES2 = ("v_a", "s_a", "v_b", "s_b", "out", "out_lse")
+
+
+def _views(objs: tuple, keys: tuple, shown: tuple) -> dict[str, Tensor | None]:
+    """Records of every argument by name; ``view`` raises a ``TypeError`` naming the argument
+    (as ``shown``, the caller's names) for anything that is not a tensor."""
+    return {k: (None if x is None else view(x, s)) for k, s, x in zip(keys, shown, objs, strict=True)}
+
+
+def _name(names: dict[str, str] | None, arg: str) -> str:
+    return names.get(arg, arg) if names else arg
+
+
+def two(objs: tuple, base: Any, prefix_rows: Any, names: dict[str, str] | None) -> dict[str, Any]:
+    """Every check of a two-way merge, on the host; returns the validated records. ``objs``:
+    (v_a, s_a, v_b, s_b, out, out_lse, a_cu, a_lens, row_mask, out_scale, sinks)."""
+    n = {a: _name(names, a) for a in (*_NAMES2, "a_empty", "prefix_rows", "out_scale", "sinks", "mask")}
+    n_cu = (names or {}).get("a_empty[0]") or f"{n['a_empty']}[0] (cu_seqlens_q)"
+    n_lens = (names or {}).get("a_empty[1]") or f"{n['a_empty']}[1] (kv_lens)"
+    keys = ("v_a", "s_a", "v_b", "s_b", "out", "out_lse", "cu", "lens", "mask", "out_scale", "sinks")
+    shown = (*(n[k] for k in keys[:6]), n_cu, n_lens, n["mask"], n["out_scale"], n["sinks"])
+    t = _views(objs, keys, shown)
+    va = _checks.tensor(t["v_a"], n["v_a"], 3, _dtypes.V_IN)
+    T, H, D = va.shape
+    vb = _checks.tensor(t["v_b"], n["v_b"], 3, _dtypes.V_IN)
+    _checks.shape(vb, n["v_b"], (T, H, D), "T, H, D")
+    if vb.dtype != va.dtype:
+        raise TypeError(f"{n['v_b']}: dtype {vb.dtype} differs from {n['v_a']} dtype {va.dtype}")
+    sa = _checks.tensor(t["s_a"], n["s_a"], 2, _dtypes.LSE)
+    sb = _checks.tensor(t["s_b"], n["s_b"], 2, _dtypes.LSE)
+    _checks.shape(sa, n["s_a"], (T, H), "T, H")
+    _checks.shape(sb, n["s_b"], (T, H), "T, H")
+    _checks.unit_last_stride(va, n["v_a"])
+    _checks.unit_last_stride(vb, n["v_b"])
+    if T >= INT32 or H >= INT32:
+        raise ValueError(f"{n['v_a']}: T and H must be below 2^31, got shape {(T, H, D)}")
+    named = [(n["v_a"], va), (n["s_a"], sa), (n["v_b"], vb), (n["s_b"], sb)]
+    o = ol = None
+    if t["out"] is not None:
+        o = _checks.tensor(t["out"], n["out"], 3, _dtypes.V_OUT)
+        _checks.shape(o, n["out"], (T, H, D), "T, H, D")
+        _checks.unit_last_stride(o, n["out"])
+        named.append((n["out"], o))
+    if t["out_lse"] is not None:
+        ol = _checks.tensor(t["out_lse"], n["out_lse"], 2, _dtypes.LSE)
+        _checks.shape(ol, n["out_lse"], (T, H), "T, H")
+        named.append((n["out_lse"], ol))
+    device = _checks.same_device(named)
+    _checks.lse_base(base)
+    _checks.prefix_rows(prefix_rows, T, n["prefix_rows"])
+    cu = lens = None
+    if t["cu"] is not None or t["lens"] is not None:
+        cu, lens = _checks.offsets_pair(t["cu"], t["lens"], n["a_empty"], device, n_cu, n_lens)
+    mask = None
+    if t["mask"] is not None:
+        mask = _checks.tensor(t["mask"], n["mask"], 1, _dtypes.MASK_NAMES)
+        _checks.shape(mask, n["mask"], (T,), "T")
+        _checks.same_device([(n["v_a"], va), (n["mask"], mask)])
+        _checks.contiguous_1d(mask, n["mask"])
+    sinks = None
+    if t["sinks"] is not None:
+        sinks = _checks.sinks(t["sinks"], n["sinks"], H, device)
+    scale = _checks.out_scale(t["out_scale"], o.dtype if o is not None else va.dtype, device, n["out_scale"])
+    outs = [(n["out"], o, (n["v_a"], n["v_b"])), (n["out_lse"], ol, (n["s_a"], n["s_b"]))]
+    ins = [(n["v_a"], va), (n["s_a"], sa), (n["v_b"], vb), (n["s_b"], sb)]
+    ins += [(nm, x) for nm, x in ((n_cu, cu), (n_lens, lens), (n["mask"], mask)) if x is not None]
+    ins += [(nm, x) for nm, x in ((n["out_scale"], scale), (n["sinks"], sinks)) if x is not None]
+    _checks.outputs(outs, ins)
+    return {
+        "va": va, "sa": sa, "vb": vb, "sb": sb, "out": o, "out_lse": ol, "cu": cu, "lens": lens,
+        "mask": mask, "scale": scale, "sinks": sinks, "T": T, "H": H, "D": D, "device": device,
+        "base": _checks.lse_base(base),
+    }  # fmt: skip
+
+
+def n(objs: tuple, base: Any) -> dict[str, Any]:
+    """Every check of an N-way merge; ``objs``: (v, s, out, out_lse, out_scale, sinks)."""
+    keys = ("v", "s", "out", "out_lse", "out_scale", "sinks")
+    t = _views(objs, keys, keys)
+    vt = _checks.tensor(t["v"], "v", 4, _dtypes.V_IN)
+    N, T, H, D = vt.shape
+    st = _checks.tensor(t["s"], "s", 3, _dtypes.LSE)
+    _checks.shape(st, "s", (N, T, H), "N, T, H")
+    _checks.unit_last_stride(vt, "v")
+    if T >= INT32 or H >= INT32 or N >= INT32:
+        raise ValueError(f"v: N, T and H must be below 2^31, got shape {(N, T, H, D)}")
+    named = [("v", vt), ("s", st)]
+    o = ol = None
+    if t["out"] is not None:
+        o = _checks.tensor(t["out"], "out", 3, _dtypes.V_OUT)
+        _checks.shape(o, "out", (T, H, D), "T, H, D")
+        _checks.unit_last_stride(o, "out")
+        named.append(("out", o))
+    if t["out_lse"] is not None:
+        ol = _checks.tensor(t["out_lse"], "out_lse", 2, _dtypes.LSE)
+        _checks.shape(ol, "out_lse", (T, H), "T, H")
+        named.append(("out_lse", ol))
+    device = _checks.same_device(named)
+    _checks.lse_base(base)
+    sinks = _checks.sinks(t["sinks"], "sinks", H, device) if t["sinks"] is not None else None
+    scale = _checks.out_scale(t["out_scale"], o.dtype if o is not None else vt.dtype, device, "out_scale")
+    if N == 0:
+        raise ValueError("v: expected at least one state (N >= 1), got N = 0")
+    ins = [("v", vt), ("s", st)] + [(nm, x) for nm, x in (("out_scale", scale), ("sinks", sinks)) if x]
+    _checks.outputs([("out", o, ()), ("out_lse", ol, ())], ins)
+    return {
+        "v": vt, "s": st, "out": o, "out_lse": ol, "scale": scale, "sinks": sinks, "device": device,
+        "base": _checks.lse_base(base),
+    }  # fmt: skip

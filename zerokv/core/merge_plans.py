@@ -1,0 +1,318 @@
+"""The merges' one path: read the call into facts, find the plan of its signature, the plan's
+cheap check of what may change between calls, the form, pack by name, launch.
+
+A plan is built (and the call fully validated, :mod:`zerokv.core.merge_checks`) on the first
+call of a signature; a cheap check that fails runs the full validation again, which raises
+with the caller's argument names or lets a valid call through its exact rules. Host tensors
+take the CPU path after the same validation.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from . import checks as _checks
+from . import cpu_path as _cpu
+from . import device as _device
+from . import dtypes as _dtypes
+from . import facts as _facts
+from . import forms as _forms
+from . import merge_checks as _merge_checks
+from . import outputs as _outputs
+from . import plans as _plans
+from .layout import INT32, apart, apart_all, distinct, end, extent
+
+_FORM_CACHE_LIMIT = 4096  # distinct (T, H, D, layout) entries a plan keeps; past it, it starts again
+
+
+class Consts:
+    """A plan's launch parameters that hold for every call of its signature."""
+
+    __slots__ = ("k", "inv_k", "suffix_verbatim", "a_is64", "prefix_rows")
+
+
+_binders: dict = {}
+
+
+def _binder(kernel: Any, facts_cls: type) -> Any:
+    """The by-name packer of ``kernel`` from (call facts, form, plan constants)."""
+    b = _binders.get((kernel.name, facts_cls))
+    if b is None:
+        b = _binders[kernel.name, facts_cls] = kernel.binder(
+            ("f", facts_cls), ("g", _forms.Form), ("c", Consts)
+        )
+    return b
+
+
+class Plan:
+    """What both merge plans share: the device, element types, constants and form cache."""
+
+    def _setup(self, v: dict, in_dtype: str, o: Any, aligned: bool, torch: bool) -> None:
+        self.device = v["device"]
+        self.in_dtype = in_dtype
+        self.out_dtype = o.dtype if o is not None else in_dtype
+        self.in_size, self.out_size = _dtypes.itemsize(in_dtype), _dtypes.itemsize(self.out_dtype)
+        self.vec = (16 // self.in_size) if aligned else 1
+        self.ctypes = (_dtypes.ctype(in_dtype), _dtypes.ctype(self.out_dtype))
+        self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
+        self.forms: dict = {}
+        c = self.consts = Consts()
+        c.k, c.inv_k = _checks.LSE_BASES[v["base"]]
+        c.suffix_verbatim = c.a_is64 = 0
+        self.torch = torch
+        self.stream = _device.torch_stream if torch else _device.cupy_stream
+        if torch:
+            t = sys.modules["torch"]
+            self.t_out = getattr(t, self.out_dtype)
+            self.t_f32, self.empty = t.float32, t.empty
+            self.alloc_device = self.device if self.device >= 0 else "cpu"  # "cpu": the tests' plans
+
+    def new(self, f: Any, shape: tuple, lse: bool) -> Any:
+        """An output of the call's family on its device: the LSE (float32) or V (out dtype)."""
+        if self.torch:
+            return self.empty(shape, dtype=self.t_f32 if lse else self.t_out, device=self.alloc_device)
+        return _outputs.new(f.objs[0], False, self.device, shape, "float32" if lse else self.out_dtype)
+
+    def launch(self, key: tuple, build: Any, f: Any) -> None:
+        """Launch the form of ``key`` (the facts that choose it), built by ``build(key)`` ->
+        ``(form, facts class, adapt)`` on its first call; ``adapt``: None, or turns ``f`` into
+        the facts the form's kernel reads."""
+        entry = self.forms.get(key)
+        if entry is None:
+            form, facts_cls, adapt = build(key)
+            launcher = _plans.launcher(form.kernel, form.targs, self.device)
+            entry = (form, launcher, _binder(form.kernel, facts_cls), adapt)
+            if len(self.forms) >= _FORM_CACHE_LIMIT:
+                self.forms.clear()
+            self.forms[key] = entry
+        form, launcher, bind, adapt = entry
+        if adapt is not None:
+            f = adapt(f)
+        launcher.launch(form.grid, form.grid_y, self.stream(self.device), bind, f, form, self.consts)
+
+
+# --- two-way -----------------------------------------------------------------------------------
+
+_FEATURES = ("a_empty", "row_mask", "out_scale", "sinks")
+
+
+def two(
+    v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks,
+    row_mask=None, suffix_verbatim=False, allocate_lse=None, names=None,
+) -> tuple[Any, Any]:  # fmt: skip
+    """The two-way merge of ``merge.merge_two``'s arguments (``names``: the caller's names of
+    the arguments, for messages)."""
+    if a_empty is None:
+        cu = lens = None
+    else:
+        cu, lens = _checks.pair(a_empty, names.get("a_empty", "a_empty") if names else "a_empty")
+    objs = (v_a, s_a, v_b, s_b, out, out_lse, cu, lens, row_mask, out_scale, sinks)
+    scalars = (
+        lse_base,
+        prefix_rows is None,
+        suffix_verbatim,
+        out is None if allocate_lse is None else allocate_lse,
+    )
+    f = _facts.read_two(objs)
+    if f is None or f.device < 0:
+        return _cpu_two(objs, scalars, prefix_rows, names)
+    key = (scalars, f.sig)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans.lookup(key, lambda: TwoPlan(f, scalars, prefix_rows, names))
+    return plan(f, prefix_rows, names, scalars)
+
+
+def _cpu_two(objs: tuple, scalars: tuple, prefix_rows: Any, names: dict | None) -> tuple[Any, Any]:
+    v = _merge_checks.two(objs, scalars[0], prefix_rows, names)
+    host_only(v["device"])
+    va, T, H, D = v["va"], v["T"], v["H"], v["D"]
+    out, out_lse, o, ol = objs[4], objs[5], v["out"], v["out_lse"]
+    if o is None:
+        out = _outputs.new(va.obj, va.is_torch, -1, (T, H, D), va.dtype)
+        o = _checks.view(out, "out")
+    if ol is None and scalars[3]:
+        out_lse = _outputs.new(va.obj, va.is_torch, -1, (T, H), "float32")
+        ol = _checks.view(out_lse, "out_lse")
+    _cpu.merge_two(v, o, ol, T if prefix_rows is None else prefix_rows, scalars[2])
+    return out, out_lse
+
+
+def host_only(device: int) -> None:
+    if device >= 0:  # pragma: no cover - every unreadable argument fails validation
+        raise RuntimeError("zerokv: the arguments passed validation but could not be read")
+
+
+class TwoPlan(Plan):
+    """Every call of one two-way merge signature: element types, vector width, features,
+    constants, and the forms met so far by (T, H, D, layout)."""
+
+    def __init__(self, f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: dict | None) -> None:
+        v = _merge_checks.two(f.objs, scalars[0], prefix_rows, names)  # every check, once
+        self._setup(v, v["va"].dtype, v["out"], f.sig[-2], f.torch)
+        given = (v["cu"], v["mask"], v["scale"], v["sinks"])
+        self.features = frozenset(n for n, x in zip(_FEATURES, given, strict=True) if x is not None)
+        self.consts.suffix_verbatim = int(bool(scalars[2]))
+        self.consts.a_is64 = int(v["cu"] is not None and v["cu"].dtype == "int64")
+        self.idx_size = 8 if self.consts.a_is64 else 4
+        self.mask_size = 1
+        self.allocate_lse = scalars[3]
+        self.may_alias = self.in_dtype == self.out_dtype  # an exact alias of v_a / v_b
+
+    def __call__(self, f: _facts.TwoFacts, prefix_rows: Any, names: dict | None, scalars: tuple):
+        T, H, D = f.T, f.H, f.D
+        if prefix_rows is None:
+            f.prefix_rows = T
+        else:
+            f.prefix_rows = prefix_rows if type(prefix_rows) is int and 0 <= prefix_rows <= T else -1
+        widest = self.check(f)
+        if widest < 0:  # something the cheap check does not decide: the full checks do
+            _merge_checks.two(f.objs, scalars[0], prefix_rows, names)
+            f.prefix_rows = T if prefix_rows is None else prefix_rows
+            widest, s32 = _exact_two(f, self)
+        else:
+            s32 = (
+                f.va_st | f.va_sh | f.vb_st | f.vb_sh | f.sa_st | f.sa_sh | f.sb_st | f.sb_sh
+                | f.out_st | f.out_sh | f.ol_st | f.ol_sh
+            ) < INT32  # fmt: skip
+        objs = f.objs
+        out, out_lse = objs[4], objs[5]
+        if out is None:
+            out = self.new(f, (T, H, D), False)
+            f.out, f.out_st, f.out_sh = out.data_ptr() if self.torch else ptr(out), H * D, D
+        if out_lse is None and self.allocate_lse:
+            out_lse = self.new(f, (T, H), True)
+            f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else ptr(out_lse), H, 1
+        if T * H == 0:
+            return out, out_lse
+        inplace = f.olse != 0 and (f.olse == f.sa or f.olse == f.sb)
+        tiles = f.ol_st == 1 and f.ol_sh != 1 if f.olse else f.sa_st == 1 and f.sa_sh != 1
+        self.launch((T, H, D, inplace, widest < INT32, s32, tiles), self._form, f)
+        return out, out_lse
+
+    def _form(self, key: tuple) -> tuple:
+        T, H, D, inplace, fits, s32, tiles = key
+        c = _forms.MergeCall(
+            T, H, D, self.vec, self.in_dtype, self.out_dtype, self.features, inplace, fits, s32, tiles
+        )
+        return _forms.merge_two(c, self.dev, self.ctypes), _facts.TwoFacts, None
+
+    def check(self, f: _facts.TwoFacts) -> int:
+        """What may change between calls of this signature, without messages: shapes, unit
+        head_dim strides, prefix_rows, writable outputs apart from the inputs (or exactly one
+        they may alias). The widest tensor's span in elements, or -1: the full checks decide."""
+        T, H, D = f.T, f.H, f.D
+        if f.neg or f.prefix_rows < 0 or T >= INT32 or H >= INT32 or not (T and H and D):
+            return -1
+        th = (T, H)
+        if f.vb_shape != (T, H, D) or f.sa_shape != th or f.sb_shape != th:
+            return -1
+        if D > 1 and (f.va_in != 1 or f.vb_in != 1):
+            return -1
+        isz, pa, pb, psa, psb = self.in_size, f.va, f.vb, f.sa, f.sb
+        ea, eb = end(pa, T, f.va_st, H, f.va_sh, D, isz), end(pb, T, f.vb_st, H, f.vb_sh, D, isz)
+        esa, esb = end(psa, T, f.sa_st, H, f.sa_sh, 1, 4), end(psb, T, f.sb_st, H, f.sb_sh, 1, 4)
+        spans = [(pa, ea), (pb, eb), (psa, esa), (psb, esb)]
+        widest = max(max(ea - pa, eb - pb) // isz, max(esa - psa, esb - psb) // 4, T * H * D)
+        if self.features:
+            widest = self.check_options(f, spans, widest)
+            if widest < 0:
+                return -1
+        objs = f.objs
+        if f.out_shape is not None:
+            po = f.out
+            if f.out_shape != (T, H, D) or (D > 1 and f.out_in != 1) or not _facts.writable_cheap(objs[4]):
+                return -1
+            eo = end(po, T, f.out_st, H, f.out_sh, D, self.out_size)
+            if not distinct(T, f.out_st, H, f.out_sh, D) or not (
+                apart_all(po, eo, spans) or self.alias_v(f, spans)
+            ):
+                return -1
+            widest = max(widest, (eo - po) // self.out_size)
+        if f.ol_shape is not None:
+            pl = f.olse
+            if (
+                f.ol_shape != th
+                or not _facts.writable_cheap(objs[5])
+                or not distinct(T, f.ol_st, H, f.ol_sh, 1)
+            ):
+                return -1
+            el = end(pl, T, f.ol_st, H, f.ol_sh, 1, 4)
+            if not (apart_all(pl, el, spans) or self.alias_s(f, spans)):
+                return -1
+            if f.out_shape is not None and not apart(pl, el, po, eo):
+                return -1
+            widest = max(widest, (el - pl) // 4)
+        return widest
+
+    def alias_v(self, f: _facts.TwoFacts, spans: list) -> bool:
+        """out shares bytes with an input only as exactly v_a or v_b (same pointer, strides and
+        dtype), and with nothing else."""
+        po, eo = f.out, end(f.out, f.T, f.out_st, f.H, f.out_sh, f.D, self.out_size)
+        exact = [
+            self.may_alias and po == ptr and (f.out_st, f.out_sh) == st
+            for ptr, st in ((f.va, (f.va_st, f.va_sh)), (f.vb, (f.vb_st, f.vb_sh)))
+        ]
+        return all(
+            exact[i] if i < 2 else False for i, (lo, hi) in enumerate(spans) if not apart(po, eo, lo, hi)
+        )
+
+    def alias_s(self, f: _facts.TwoFacts, spans: list) -> bool:
+        """out_lse shares bytes with an input only as exactly s_a or s_b."""
+        pl, el = f.olse, end(f.olse, f.T, f.ol_st, f.H, f.ol_sh, 1, 4)
+        st = (f.ol_st, f.ol_sh)
+        exact = {2: pl == f.sa and st == (f.sa_st, f.sa_sh), 3: pl == f.sb and st == (f.sb_st, f.sb_sh)}
+        return all(exact.get(i, False) for i, (lo, hi) in enumerate(spans) if not apart(pl, el, lo, hi))
+
+    def check_options(self, f: _facts.TwoFacts, spans: list, widest: int) -> int:
+        """The option tensors: lengths, unit strides; their spans join ``spans``."""
+        T, H = f.T, f.H
+        if f.a_cu:
+            n = f.cu_len
+            if n < 1 or f.lens_len != n - 1 or (n > 1 and f.cu_st != 1) or (n > 2 and f.lens_st != 1):
+                return -1
+            spans += [(f.a_cu, f.a_cu + n * self.idx_size), (f.a_lens, f.a_lens + (n - 1) * self.idx_size)]
+        if f.row_mask:
+            if f.mask_len != T or (T > 1 and f.mask_st != 1):
+                return -1
+            spans.append((f.row_mask, f.row_mask + T * self.mask_size))
+        if f.sinks:
+            if f.sinks_len != H or (H > 1 and f.sinks_st != 1):
+                return -1
+            spans.append((f.sinks, f.sinks + 4 * H))
+        if f.out_scale:
+            if f.scale_len != 1:
+                return -1
+            spans.append((f.out_scale, f.out_scale + 4))
+        return max(widest, *((hi - lo) for lo, hi in spans[4:])) if len(spans) > 4 else widest
+
+
+def ptr(x: Any) -> int:
+    return _checks.view(x, "out").ptr
+
+
+def _exact_two(f: _facts.TwoFacts, plan: TwoPlan) -> tuple[int, bool]:
+    """The widest span in elements and whether every stride fits 32 bits, for a call the
+    full checks accepted (any layout, any sign of stride)."""
+    T, H, D = f.T, f.H, f.D
+    tensors = [
+        (f.va, (T, H, D), (f.va_st, f.va_sh, 1), plan.in_size),
+        (f.vb, (T, H, D), (f.vb_st, f.vb_sh, 1), plan.in_size),
+        (f.sa, (T, H), (f.sa_st, f.sa_sh), 4),
+        (f.sb, (T, H), (f.sb_st, f.sb_sh), 4),
+    ]
+    if f.out_shape is not None:
+        tensors.append((f.out, (T, H, D), (f.out_st, f.out_sh, 1), plan.out_size))
+    if f.ol_shape is not None:
+        tensors.append((f.olse, (T, H), (f.ol_st, f.ol_sh), 4))
+    return widest_span(tensors, T * H * max(D, 1))
+
+
+def widest_span(tensors: list, floor: int) -> tuple[int, bool]:
+    widest, s32 = floor, True
+    for ptr, shape, strides, size in tensors:
+        lo, hi = extent(ptr, shape, strides, size)
+        widest = max(widest, (hi - lo) // size)
+        s32 = s32 and all(-INT32 <= s < INT32 for s in strides)
+    return widest, s32

@@ -1,0 +1,161 @@
+"""merge_states' path: as the two-way merge's (:mod:`zerokv.core.merge_plans`), its plan
+built on the first call of a signature, its outputs never overlapping its inputs."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from . import checks as _checks
+from . import cpu_path as _cpu
+from . import facts as _facts
+from . import forms as _forms
+from . import merge_checks as _merge_checks
+from . import outputs as _outputs
+from . import plans as _plans
+from .layout import INT32, apart, distinct, end
+from .merge_plans import Plan, host_only, ptr, widest_span
+
+
+def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
+    """``objs``: (v, s, out, out_lse, out_scale, sinks); ``scalars``: (lse_base, allocate_lse)."""
+    f = _facts.read_n(objs)
+    if f is None or f.device < 0:
+        return _cpu_n(objs, scalars)
+    key = ("n", scalars, f.sig)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans.lookup(key, lambda: NPlan(f, scalars))
+    return plan(f, scalars)
+
+
+def _cpu_n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
+    v = _merge_checks.n(objs, scalars[0])
+    host_only(v["device"])
+    vt, o, ol = v["v"], v["out"], v["out_lse"]
+    _, T, H, D = vt.shape
+    out, out_lse = objs[2], objs[3]
+    if o is None:
+        out = _outputs.new(vt.obj, vt.is_torch, -1, (T, H, D), vt.dtype)
+        o = _checks.view(out, "out")
+    if ol is None and scalars[1]:
+        out_lse = _outputs.new(vt.obj, vt.is_torch, -1, (T, H), "float32")
+        ol = _checks.view(out_lse, "out_lse")
+    _cpu.merge_states(v, o, ol)
+    return out, out_lse
+
+
+class NPlan(Plan):
+    """Every call of one merge_states signature; N = 2 without sinks or fp8 scale takes
+    merge_state's flat forms (they move the data faster than the N-way loop, entry 19)."""
+
+    def __init__(self, f: _facts.NFacts, scalars: tuple) -> None:
+        v = _merge_checks.n(f.objs, scalars[0])
+        self._setup(v, v["v"].dtype, v["out"], f.sig[-2], f.torch)
+        self.plain = v["scale"] is None and v["sinks"] is None
+        self.allocate_lse = scalars[1]
+        self.consts.prefix_rows = 0
+
+    def __call__(self, f: _facts.NFacts, scalars: tuple) -> tuple[Any, Any]:
+        widest = self.check(f)
+        if widest < 0:
+            _merge_checks.n(f.objs, scalars[0])
+            widest, s32 = _exact_n(f, self)
+        else:
+            s32 = (f.v_st | f.v_sh | f.s_st | f.s_sh | f.out_st | f.out_sh | f.ol_st | f.ol_sh) < INT32
+        N, T, H, D = f.N, f.T, f.H, f.D
+        out, out_lse = f.objs[2], f.objs[3]
+        if out is None:
+            out = self.new(f, (T, H, D), False)
+            f.out, f.out_st, f.out_sh = out.data_ptr() if self.torch else ptr(out), H * D, D
+        if out_lse is None and self.allocate_lse:
+            out_lse = self.new(f, (T, H), True)
+            f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else ptr(out_lse), H, 1
+        if T * H == 0:
+            return out, out_lse
+        tiles = f.ol_st == 1 and f.ol_sh != 1 if f.olse else f.s_st == 1 and f.s_sh != 1
+        self.launch((N, T, H, D, widest < INT32, s32, tiles), self._form, f)
+        return out, out_lse
+
+    def _form(self, key: tuple) -> tuple:
+        N, T, H, D, fits, s32, tiles = key
+        if N == 2 and self.plain and D:
+            c = _forms.MergeCall(
+                T, H, D, self.vec, self.in_dtype, self.out_dtype, frozenset(), False, fits, s32, tiles
+            )
+            form = _forms.flat_family(c, self.dev, self.ctypes)
+            if form is not None:
+                return form, _facts.TwoFacts, partial(_as_two, isz=self.in_size)
+        form = _forms.merge_states(N, T, H, D, self.vec, self.dev, (*self.ctypes, self.vec))
+        return form, _facts.NFacts, None
+
+    def check(self, f: _facts.NFacts) -> int:
+        """As ``TwoPlan.check``; the outputs may not overlap the inputs at all."""
+        N, T, H, D = f.N, f.T, f.H, f.D
+        if f.neg or not (N and T and H and D) or max(N, T, H) >= INT32 or f.s_shape != (N, T, H):
+            return -1
+        if D > 1 and f.v_in != 1:
+            return -1
+        isz, pv, ps = self.in_size, f.v, f.s
+        end_v = end(pv + (N - 1) * f.v_sn * isz, T, f.v_st, H, f.v_sh, D, isz)
+        end_s = end(ps + (N - 1) * f.s_sn * 4, T, f.s_st, H, f.s_sh, 1, 4)
+        spans = [(pv, end_v), (ps, end_s)]
+        widest = max((end_v - pv) // isz, (end_s - ps) // 4, T * H * D)
+        if f.sinks:
+            if f.sinks_len != H or (H > 1 and f.sinks_st != 1):
+                return -1
+            spans.append((f.sinks, f.sinks + 4 * H))
+        if f.out_scale:
+            if f.scale_len != 1:
+                return -1
+            spans.append((f.out_scale, f.out_scale + 4))
+        objs = f.objs
+        if f.out_shape is not None:
+            po = f.out
+            if f.out_shape != (T, H, D) or (D > 1 and f.out_in != 1) or not _facts.writable_cheap(objs[2]):
+                return -1
+            if not distinct(T, f.out_st, H, f.out_sh, D):
+                return -1
+            end_o = end(po, T, f.out_st, H, f.out_sh, D, self.out_size)
+            if not all(apart(po, end_o, lo, hi) for lo, hi in spans):
+                return -1
+            spans.append((po, end_o))
+            widest = max(widest, (end_o - po) // self.out_size)
+        if f.ol_shape is not None:
+            pl = f.olse
+            if (
+                f.ol_shape != (T, H)
+                or not distinct(T, f.ol_st, H, f.ol_sh, 1)
+                or not _facts.writable_cheap(objs[3])
+            ):
+                return -1
+            end_l = end(pl, T, f.ol_st, H, f.ol_sh, 1, 4)
+            if not all(apart(pl, end_l, lo, hi) for lo, hi in spans):
+                return -1
+            widest = max(widest, (end_l - pl) // 4)
+        return widest
+
+
+def _as_two(f: _facts.NFacts, isz: int) -> _facts.TwoFacts:
+    """States 0 and 1 of a two-state merge_states as a two-way merge's facts."""
+    t = _facts.TwoFacts()
+    t.va, t.va_st, t.va_sh = f.v, f.v_st, f.v_sh
+    t.vb, t.vb_st, t.vb_sh = f.v + f.v_sn * isz, f.v_st, f.v_sh
+    t.sa, t.sa_st, t.sa_sh = f.s, f.s_st, f.s_sh
+    t.sb, t.sb_st, t.sb_sh = f.s + f.s_sn * 4, f.s_st, f.s_sh
+    t.out, t.out_st, t.out_sh, t.olse, t.ol_st, t.ol_sh = f.out, f.out_st, f.out_sh, f.olse, f.ol_st, f.ol_sh
+    t.T, t.H, t.D, t.prefix_rows = f.T, f.H, f.D, f.T
+    return t
+
+
+def _exact_n(f: _facts.NFacts, plan: NPlan) -> tuple[int, bool]:
+    N, T, H, D = f.N, f.T, f.H, f.D
+    tensors = [
+        (f.v, (N, T, H, D), (f.v_sn, f.v_st, f.v_sh, 1), plan.in_size),
+        (f.s, (N, T, H), (f.s_sn, f.s_st, f.s_sh), 4),
+    ]
+    if f.out_shape is not None:
+        tensors.append((f.out, (T, H, D), (f.out_st, f.out_sh, 1), plan.out_size))
+    if f.ol_shape is not None:
+        tensors.append((f.olse, (T, H), (f.ol_st, f.ol_sh), 4))
+    return widest_span(tensors, T * H * max(D, 1))
