@@ -85,6 +85,7 @@ class TwoFacts:
         "T", "H", "D", "prefix_rows",
         "a_cu", "a_lens", "a_batch", "cu_len", "cu_st", "lens_len", "lens_st",
         "row_mask", "mask_len", "mask_st", "sinks", "sinks_len", "sinks_st", "out_scale", "scale_len",
+        "bscale", "bs_st", "bs_sg", "bs_shape",
     )  # fmt: skip
 
 
@@ -102,7 +103,9 @@ def read_two(objs: tuple) -> TwoFacts | None:
         return None
 
 
-def _read_two(objs, torch, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks) -> TwoFacts:
+def _read_two(
+    objs, torch, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks, bscale=None
+) -> TwoFacts:
     f = TwoFacts()
     f.objs, f.torch = objs, torch
     f.va = pa = v_a.data_ptr()
@@ -149,10 +152,24 @@ def _read_two(objs, torch, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, sca
     f.a_cu = f.a_lens = f.a_batch = f.row_mask = f.sinks = f.out_scale = 0
     if cu is not None or lens is not None or mask is not None or scale is not None or sinks is not None:
         neg = _read_options(f, sig, cu, lens, mask, scale, sinks) or neg
+    neg = _read_block_scale(f, sig, bscale, torch) or neg
     f.neg = neg
     sig += (ok, torch)
     f.sig = tuple(sig)
     return f
+
+
+def _read_block_scale(f: Any, sig: list, bscale: Any, torch: bool) -> bool:
+    """The per-group fp8 scales' facts (out_block_scale, [T, groups], any strides); True when a
+    stride is negative."""
+    if bscale is None:
+        f.bscale = f.bs_st = f.bs_sg = 0
+        f.bs_shape = None
+        return False
+    f.bscale, f.bs_shape = bscale.data_ptr(), bscale.shape
+    f.bs_st, f.bs_sg = st = bscale.stride()
+    sig += ("bscale", bscale.dtype, bscale.get_device())
+    return not torch and min(st) < 0
 
 
 def _read_options(f: TwoFacts, sig: list, cu, lens, mask, scale, sinks) -> bool:
@@ -197,6 +214,7 @@ class NFacts:
         "v", "v_sn", "v_st", "v_sh", "v_in", "s", "s_sn", "s_st", "s_sh", "s_shape",
         "out", "out_st", "out_sh", "out_in", "out_shape", "olse", "ol_st", "ol_sh", "ol_shape",
         "N", "T", "H", "D", "sinks", "sinks_len", "sinks_st", "out_scale", "scale_len",
+        "bscale", "bs_st", "bs_sg", "bs_shape",
     )  # fmt: skip
 
 
@@ -212,7 +230,7 @@ def read_n(objs: tuple) -> NFacts | None:
         return None
 
 
-def _read_n(objs, torch, v, s, out, out_lse, scale, sinks) -> NFacts:
+def _read_n(objs, torch, v, s, out, out_lse, scale, sinks, bscale=None) -> NFacts:
     f = NFacts()
     f.objs, f.torch = objs, torch
     f.v = pv = v.data_ptr()
@@ -255,6 +273,7 @@ def _read_n(objs, torch, v, s, out, out_lse, scale, sinks) -> NFacts:
         (f.sinks_len,) = sinks.shape
         f.sinks, f.sinks_st = sinks.data_ptr(), sinks.stride()[0] if f.sinks_len else 1
         sig += ("sinks", sinks.dtype, sinks.get_device())
+    neg = _read_block_scale(f, sig, bscale, torch) or neg
     f.neg = neg
     sig += (ok, torch)
     f.sig = tuple(sig)

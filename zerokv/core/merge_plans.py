@@ -29,7 +29,7 @@ _FORM_CACHE_LIMIT = 4096  # distinct (T, H, D, layout) entries a plan keeps; pas
 class Consts:
     """A plan's launch parameters that hold for every call of its signature."""
 
-    __slots__ = ("k", "inv_k", "suffix_verbatim", "a_is64", "prefix_rows")
+    __slots__ = ("k", "inv_k", "suffix_verbatim", "a_is64", "prefix_rows", "ue8m0")
 
 
 _binders: dict = {}
@@ -59,7 +59,7 @@ class Plan:
         self.forms: dict = {}
         c = self.consts = Consts()
         c.k, c.inv_k = _checks.LSE_BASES[v["base"]]
-        c.suffix_verbatim = c.a_is64 = 0
+        c.suffix_verbatim = c.a_is64 = c.ue8m0 = 0
         self.torch = torch
         self.stream = _device.torch_stream if torch else _device.cupy_stream
         if torch:
@@ -94,25 +94,30 @@ class Plan:
 
 # --- two-way -----------------------------------------------------------------------------------
 
-_FEATURES = ("a_empty", "row_mask", "out_scale", "sinks")
+_FEATURES = ("a_empty", "row_mask", "out_scale", "sinks", "group_fp8")
 
 
 def two(
     v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks,
     row_mask=None, suffix_verbatim=False, allocate_lse=None, names=None,
+    out_block_scale=None, quant_group=None, scale_format="float32",
 ) -> tuple[Any, Any]:  # fmt: skip
     """The two-way merge of ``merge.merge_two``'s arguments (``names``: the caller's names of
-    the arguments, for messages)."""
+    the arguments, for messages; ``out_block_scale``, ``quant_group``, ``scale_format``: the
+    per-group fp8 output)."""
     if a_empty is None:
         cu = lens = None
     else:
         cu, lens = _checks.pair(a_empty, names.get("a_empty", "a_empty") if names else "a_empty")
     objs = (v_a, s_a, v_b, s_b, out, out_lse, cu, lens, row_mask, out_scale, sinks)
+    if out_block_scale is not None:
+        objs += (out_block_scale,)
     scalars = (
         lse_base,
         prefix_rows is None,
         suffix_verbatim,
         out is None if allocate_lse is None else allocate_lse,
+        (quant_group, scale_format),
     )
     f = _facts.read_two(objs)
     if f is None or f.device < 0:
@@ -125,7 +130,7 @@ def two(
 
 
 def _cpu_two(objs: tuple, scalars: tuple, prefix_rows: Any, names: dict | None) -> tuple[Any, Any]:
-    v = _merge_checks.two(objs, scalars[0], prefix_rows, names)
+    v = _merge_checks.two(objs, scalars[0], prefix_rows, names, scalars[4])
     host_only(v["device"])
     va, T, H, D = v["va"], v["T"], v["H"], v["D"]
     out, out_lse, o, ol = objs[4], objs[5], v["out"], v["out_lse"]
@@ -149,12 +154,14 @@ class TwoPlan(Plan):
     constants, and the forms met so far by (T, H, D, layout)."""
 
     def __init__(self, f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: dict | None) -> None:
-        v = _merge_checks.two(f.objs, scalars[0], prefix_rows, names)  # every check, once
+        v = _merge_checks.two(f.objs, scalars[0], prefix_rows, names, scalars[4])  # every check, once
         self._setup(v, v["va"].dtype, v["out"], f.sig[-2], f.torch)
-        given = (v["cu"], v["mask"], v["scale"], v["sinks"])
+        given = (v["cu"], v["mask"], v["scale"], v["sinks"], v["block_scale"])
         self.features = frozenset(n for n, x in zip(_FEATURES, given, strict=True) if x is not None)
         self.consts.suffix_verbatim = int(bool(scalars[2]))
         self.consts.a_is64 = int(v["cu"] is not None and v["cu"].dtype == "int64")
+        self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
+        self.quant_group = v["quant_group"] if v["block_scale"] is not None else 0
         self.idx_size = 8 if self.consts.a_is64 else 4
         self.mask_size = 1
         self.allocate_lse = scalars[3]
@@ -168,7 +175,7 @@ class TwoPlan(Plan):
             f.prefix_rows = prefix_rows if type(prefix_rows) is int and 0 <= prefix_rows <= T else -1
         widest = self.check(f)
         if widest < 0:  # something the cheap check does not decide: the full checks do
-            _merge_checks.two(f.objs, scalars[0], prefix_rows, names)
+            _merge_checks.two(f.objs, scalars[0], prefix_rows, names, scalars[4])
             f.prefix_rows = T if prefix_rows is None else prefix_rows
             widest, s32 = _exact_two(f, self)
         else:
@@ -194,8 +201,9 @@ class TwoPlan(Plan):
     def _form(self, key: tuple) -> tuple:
         T, H, D, inplace, fits, s32, tiles = key
         c = _forms.MergeCall(
-            T, H, D, self.vec, self.in_dtype, self.out_dtype, self.features, inplace, fits, s32, tiles
-        )
+            T, H, D, self.vec, self.in_dtype, self.out_dtype, self.features, inplace, fits, s32, tiles,
+            bool(self.consts.a_is64), self.quant_group,
+        )  # fmt: skip
         return _forms.merge_two(c, self.dev, self.ctypes), _facts.TwoFacts, None
 
     def check(self, f: _facts.TwoFacts) -> int:
@@ -244,6 +252,11 @@ class TwoPlan(Plan):
             if f.out_shape is not None and not apart(pl, el, po, eo):
                 return -1
             widest = max(widest, (el - pl) // 4)
+            spans.append((pl, el))
+        if f.out_shape is not None:
+            spans.append((po, eo))
+        if f.bscale:
+            widest = block_scale_check(f, objs[11], self.quant_group, spans, widest)
         return widest
 
     def alias_v(self, f: _facts.TwoFacts, spans: list) -> bool:
@@ -286,6 +299,22 @@ class TwoPlan(Plan):
                 return -1
             spans.append((f.out_scale, f.out_scale + 4))
         return max(widest, *((hi - lo) for lo, hi in spans[4:])) if len(spans) > 4 else widest
+
+
+def block_scale_check(f: Any, obj: Any, group: int, spans: list, widest: int) -> int:
+    """out_block_scale's cheap check: shape ``[T, H * D / group]``, writable, its elements
+    distinct, apart from every other tensor of the call (``spans``); -1 when it fails."""
+    T = f.T
+    if not group or f.D % group:
+        return -1
+    G = f.H * f.D // group
+    if f.bs_shape != (T, G) or not _facts.writable_cheap(obj) or not distinct(T, f.bs_st, G, f.bs_sg, 1):
+        return -1
+    pb = f.bscale
+    eb = end(pb, T, f.bs_st, G, f.bs_sg, 1, 4)
+    if not apart_all(pb, eb, spans):
+        return -1
+    return max(widest, (eb - pb) // 4)
 
 
 def ptr(x: Any) -> int:

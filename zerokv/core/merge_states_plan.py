@@ -14,11 +14,12 @@ from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
 from .layout import INT32, apart, distinct, end
-from .merge_plans import Plan, host_only, ptr, widest_span
+from .merge_plans import Plan, block_scale_check, host_only, ptr, widest_span
 
 
 def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
-    """``objs``: (v, s, out, out_lse, out_scale, sinks); ``scalars``: (lse_base, allocate_lse)."""
+    """``objs``: (v, s, out, out_lse, out_scale, sinks[, out_block_scale]); ``scalars``:
+    (lse_base, allocate_lse, (quant_group, scale_format))."""
     f = _facts.read_n(objs)
     if f is None or f.device < 0:
         return _cpu_n(objs, scalars)
@@ -29,8 +30,13 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     return plan(f, scalars)
 
 
+def _quant(scalars: tuple) -> tuple:
+    """(quant_group, scale_format) of the call; callers without them: no per-group fp8."""
+    return scalars[2] if len(scalars) > 2 else (None, "float32")
+
+
 def _cpu_n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
-    v = _merge_checks.n(objs, scalars[0])
+    v = _merge_checks.n(objs, scalars[0], _quant(scalars))
     host_only(v["device"])
     vt, o, ol = v["v"], v["out"], v["out_lse"]
     _, T, H, D = vt.shape
@@ -50,16 +56,18 @@ class NPlan(Plan):
     merge_state's flat forms (they move the data faster than the N-way loop, entry 19)."""
 
     def __init__(self, f: _facts.NFacts, scalars: tuple) -> None:
-        v = _merge_checks.n(f.objs, scalars[0])
+        v = _merge_checks.n(f.objs, scalars[0], _quant(scalars))
         self._setup(v, v["v"].dtype, v["out"], f.sig[-2], f.torch)
-        self.plain = v["scale"] is None and v["sinks"] is None
+        self.plain = v["scale"] is None and v["sinks"] is None and v["block_scale"] is None
+        self.group = v["quant_group"] if v["block_scale"] is not None else 0  # N = 2 only
+        self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
         self.allocate_lse = scalars[1]
         self.consts.prefix_rows = 0
 
     def __call__(self, f: _facts.NFacts, scalars: tuple) -> tuple[Any, Any]:
         widest = self.check(f)
         if widest < 0:
-            _merge_checks.n(f.objs, scalars[0])
+            _merge_checks.n(f.objs, scalars[0], _quant(scalars))
             widest, s32 = _exact_n(f, self)
         else:
             s32 = (f.v_st | f.v_sh | f.s_st | f.s_sh | f.out_st | f.out_sh | f.ol_st | f.ol_sh) < INT32
@@ -79,6 +87,17 @@ class NPlan(Plan):
 
     def _form(self, key: tuple) -> tuple:
         N, T, H, D, fits, s32, tiles = key
+        if self.group:  # per-group fp8, two states: the flat family with the feature
+            c = _forms.MergeCall(
+                T, H, D, self.vec, self.in_dtype, self.out_dtype, frozenset({"group_fp8"}), False, fits, s32,
+                tiles, quant_group=self.group,
+            )  # fmt: skip
+            form = _forms.flat_options(c, self.dev, self.ctypes)
+            if form is None:
+                raise ValueError(
+                    "out_block_scale: no kernel form takes this call (unaligned, past 2^31 elements)"
+                )
+            return form, _facts.TwoFacts, partial(_as_two, isz=self.in_size)
         if N == 2 and self.plain and D:
             c = _forms.MergeCall(
                 T, H, D, self.vec, self.in_dtype, self.out_dtype, frozenset(), False, fits, s32, tiles
@@ -133,6 +152,9 @@ class NPlan(Plan):
             if not all(apart(pl, end_l, lo, hi) for lo, hi in spans):
                 return -1
             widest = max(widest, (end_l - pl) // 4)
+            spans.append((pl, end_l))
+        if f.bscale:
+            widest = block_scale_check(f, objs[6], self.group, spans, widest)
         return widest
 
 
@@ -145,6 +167,8 @@ def _as_two(f: _facts.NFacts, isz: int) -> _facts.TwoFacts:
     t.sb, t.sb_st, t.sb_sh = f.s + f.s_sn * 4, f.s_st, f.s_sh
     t.out, t.out_st, t.out_sh, t.olse, t.ol_st, t.ol_sh = f.out, f.out_st, f.out_sh, f.olse, f.ol_st, f.ol_sh
     t.T, t.H, t.D, t.prefix_rows = f.T, f.H, f.D, f.T
+    t.a_cu = t.a_lens = t.a_batch = t.row_mask = t.sinks = t.out_scale = 0
+    t.bscale, t.bs_st, t.bs_sg = f.bscale, f.bs_st, f.bs_sg
     return t
 
 
