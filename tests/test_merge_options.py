@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import assert_close, f64
+from test_launch_paths import recorded  # noqa: F401 - the fixture: CPU tensors down the GPU path
 
 import zerokv
 from zerokv import merge, reference
@@ -90,6 +91,69 @@ def test_several_options_and_an_in_place_lse_leave_the_flat_family():
     assert _pick(_call(300, features=("sinks",), inplace_lse=True))[0] == "merge_state_kernel"
     with pytest.raises(ValueError, match="out_block_scale"):
         _pick(_call(300, out="float8_e4m3fn", features=("group_fp8", "sinks"), quant_group=128))
+
+
+# --- the arguments each option packs, by parameter name (no GPU) ---------------------------------
+
+
+def _cpu_states(T=300, H=8, D=128, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(T)
+    return (torch.randn(T, H, D, generator=g).to(dtype), torch.randn(T, H, generator=g),
+            torch.randn(T, H, D, generator=g).to(dtype), torch.randn(T, H, generator=g))  # fmt: skip
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_a_empty_packs_its_offsets(recorded, index_dtype):  # noqa: F811
+    va, sa, vb, sb = _cpu_states()
+    cu = torch.tensor([0, 100, 200, 300], dtype=index_dtype)
+    lens = torch.tensor([5, 0, 7], dtype=index_dtype)
+    zerokv.merge_state(va, sa, vb, sb, out=torch.empty_like(va), a_empty=(cu, lens))
+    name, targs, _, args = recorded[-1]
+    assert name == "merge_state_flat_kernel" and targs[-1] & _kernels.F_A_EMPTY
+    assert bool(targs[-1] & _kernels.F_A64) == (index_dtype == torch.int64)
+    assert (args["a_cu"], args["a_lens"], args["a_batch"]) == (cu.data_ptr(), lens.data_ptr(), 3)
+    assert args["sinks"] == args["row_mask"] == args["out_scale"] == args["bscale"] == 0
+
+
+def test_sinks_row_mask_and_fp8_scale_pack_their_pointers(recorded):  # noqa: F811
+    va, sa, vb, sb = _cpu_states()
+    sinks, mask, scale = torch.randn(8), torch.ones(300, dtype=torch.bool), torch.ones(1)
+    zerokv.merge_state(va, sa, vb, sb, out=torch.empty_like(va), sinks=sinks)
+    assert recorded[-1][3]["sinks"] == sinks.data_ptr() and recorded[-1][1][-1] == _kernels.F_SINKS
+    merge.merge_two(va, sa, vb, sb, torch.empty_like(va), torch.empty_like(sa), row_mask=mask)
+    assert recorded[-1][3]["row_mask"] == mask.data_ptr() and recorded[-1][1][-1] == _kernels.F_ROW_MASK
+    out8 = torch.empty(va.shape, dtype=FP8)
+    zerokv.merge_state(va, sa, vb, sb, out=out8, out_scale=scale)
+    assert recorded[-1][3]["out_scale"] == scale.data_ptr() and recorded[-1][1][-1] == _kernels.F_OUT_SCALE
+
+
+@pytest.mark.parametrize(("T", "vec"), [(4, 4), (300, 8), (4200, 8)])
+@pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
+def test_group_fp8_packs_its_scales_and_group(recorded, T, vec, fmt):  # noqa: F811
+    va, sa, vb, sb = _cpu_states(T)
+    out8 = torch.empty(va.shape, dtype=FP8)
+    bs = torch.empty(8 * 128 // 32, T).T  # column-major
+    zerokv.merge_state(va, sa, vb, sb, out=out8, out_block_scale=bs, quant_group=32, scale_format=fmt)
+    name, targs, _, args = recorded[-1]
+    assert targs[-1] == _kernels.F_GROUP_FP8 and targs[1] == "zk_fp8_e4m3" and targs[2] == vec
+    assert (args["bscale"], args["bs_st"], args["bs_sg"]) == (bs.data_ptr(), 1, T)
+    assert 1 << args["g_shr"] == 32 // vec and args["ue8m0"] == (fmt == "ue8m0")
+    v = torch.stack([va, vb])
+    zerokv.merge_states(
+        v, torch.stack([sa, sb]), out=out8, out_block_scale=bs, quant_group=32, scale_format=fmt
+    )
+    name2, targs2, _, args2 = recorded[-1]
+    assert (name2, targs2) == (name, targs) and args2["vb"] == v.data_ptr() + v.stride(0) * 2
+    assert (args2["bscale"], args2["g_shr"], args2["ue8m0"]) == (bs.data_ptr(), args["g_shr"], args["ue8m0"])
+
+
+def test_plain_calls_pack_no_option(recorded):  # noqa: F811
+    va, sa, vb, sb = _cpu_states()
+    zerokv.merge_state(va, sa, vb, sb, out=torch.empty_like(va))
+    name, targs, _, args = recorded[-1]
+    assert len(targs) == 4 and all(
+        args[n] == 0 for n in ("a_cu", "a_lens", "a_batch", "sinks", "bscale", "g_shr")
+    )
 
 
 # --- on a GPU: every option on every size class -------------------------------------------------
@@ -302,29 +366,27 @@ def _exact_states(cls, dtype, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cls", CLASSES)
-@pytest.mark.parametrize("group", [16, 32, 64, 128])
-@pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
+@pytest.mark.parametrize(
+    ("group", "fmt"), [(16, "float32"), (32, "ue8m0"), (64, "float32"), (128, "float32"), (128, "ue8m0")]
+)
 def test_group_fp8_bit_for_bit_on_every_size_class(launched, cls, group, fmt):
     dtype = torch.bfloat16
     va, sa, vb, sb = _exact_states(cls, dtype, seed=6)
     T, H, D = va.shape
+    ro, rl = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb))
+    values, scales = reference.fp8_group_scales(ro, group, fmt == "ue8m0")
+    want = torch.from_numpy(values).float().to(FP8).view(torch.uint8)
+    want_s = torch.from_numpy(scales).float().view(torch.int32)
+    smallest = reference.fp8_group_scales(np.zeros((1, 1, group)), group, fmt == "ue8m0")[1][0, 0]
+    assert scales[T - 1, 0] == smallest and not values[T - 1, 0].any()  # the empty row
     for layout in ("rows", "cols", "padded"):
         out, lse = _outputs(cls, FP8)
         bs = _block_scale(T, H * D // group, layout)
         zerokv.merge_state(
             va, sa, vb, sb, out=out, out_lse=lse, out_block_scale=bs, quant_group=group, scale_format=fmt
         )
-        ro, rl = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb))
-        values, scales = reference.fp8_group_scales(ro, group, fmt == "ue8m0")
-        want = torch.from_numpy(values).float().to(FP8).view(torch.uint8)
         assert torch.equal(out.cpu().view(torch.uint8), want), layout
-        want_s = torch.from_numpy(scales).float()
-        assert torch.equal(bs.cpu().contiguous().view(torch.int32), want_s.view(torch.int32)), layout
-        assert (
-            float(bs[T - 1, 0])
-            == float(scales[T - 1, 0])
-            == reference.fp8_group_scales(np.zeros((1, 1, group)), group, fmt == "ue8m0")[1][0, 0]
-        )
+        assert torch.equal(bs.cpu().contiguous().view(torch.int32), want_s), layout
         assert_close(lse, rl, torch.float32, "lse")
     _expect_kernel(launched, cls, _kernels.F_GROUP_FP8)
 
