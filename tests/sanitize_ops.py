@@ -185,7 +185,7 @@ def flat_forms() -> None:
 def option_forms() -> None:
     """Each option alone on the flat family's size classes (heads, small, gathered, tiled), with
     valid offsets and with lying ones (decreasing, negative, past T, past 2^31 for int64)."""
-    for T, H, D in ((3, 7, 64), (2, 37, 128), (300, 8, 128), (2100, 127, 64), (8201, 129, 128), (5, 3, 40)):
+    for T, H, D in ((3, 7, 64), (2, 37, 128), (300, 8, 128), (4200, 8, 128), (5, 3, 40)):
         dtype = torch.bfloat16
         tag = f"{T}x{H}x{D}"
         v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, DEV, seed=T + 1)
