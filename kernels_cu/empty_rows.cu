@@ -25,7 +25,7 @@ constexpr int GROUP = 8;
 
 // Tests requests first + j * BLOCK + tid (coalesced), j < PER_THREAD, for emptiness: all the
 // loads in flight at once. LENS64: the offsets' width, a compile-time constant so that the loads
-// are straight-line code (a branch on the width there cost ~0.1 µs of a 1.45 µs call).
+// are straight-line code (a branch on the width costs small calls: bench/NOTES.md, entry 32).
 template <int RULE, int LENS64>
 __device__ __forceinline__ void scan_step(const void* lens, i64 batch, i64 first, bool (&empty)[PER_THREAD]) {
 #pragma unroll

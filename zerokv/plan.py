@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .core.layout import INT32
 from .core.tensors import is_torch
 
 
@@ -51,7 +52,7 @@ class ContextChunkPlan:
     all_rows_active: Any
 
 
-_INT32_MAX = 2**31 - 1
+_INT32_MAX = INT32 - 1
 _INT64_MAX = 2**63 - 1
 # C * (B + 1): ~0.4 GB of int32 arrays (~2 GB while they are built); a real batch needs a few million
 MAX_PLAN_ENTRIES = 1 << 25

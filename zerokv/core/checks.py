@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes as _dtypes
+from .layout import extent
 from .tensors import Tensor, view
 
 _TooHard = getattr(np, "exceptions", np).TooHardError
@@ -180,21 +181,6 @@ def itemsize(dtype: str) -> int:
     return size
 
 
-def extent(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> tuple[int, int]:
-    """The byte range ``[lo, hi)`` that a tensor's elements cover (strides in elements, any
-    sign); ``(ptr, ptr)``, empty, for a zero-size tensor."""
-    lo = hi = 0
-    for n, s in zip(shape, strides, strict=True):
-        if n == 0:
-            return ptr, ptr
-        d = (n - 1) * s
-        if d < 0:
-            lo += d
-        else:
-            hi += d
-    return ptr + lo * itemsize, ptr + (hi + 1) * itemsize
-
-
 def overlap(a: Tensor, b: Tensor) -> str:
     """How two tensors share memory: ``"none"``, ``"alias"`` (the same view: pointer, shape,
     strides and dtype) or ``"partial"`` (any other sharing of a byte). Disjoint byte ranges
@@ -284,20 +270,13 @@ def check_outputs(
 
 
 def _spans(tensors: Mapping[str, Tensor | None]) -> list[tuple[str, Tensor, int, int]]:
-    """(name, tensor, lo, hi) of every given tensor that covers at least one byte (``extent``,
-    inlined: this runs on every validated call)."""
+    """(name, tensor, lo, hi) of every given tensor that covers at least one byte."""
     spans = []
     for k, t in tensors.items():
         if t is None or 0 in t.shape:
             continue
-        lo = hi = 0
-        for n, s in zip(t.shape, t.strides, strict=True):
-            if s >= 0:
-                hi += (n - 1) * s
-            else:
-                lo += (n - 1) * s
-        size = _ITEMSIZE.get(t.dtype) or itemsize(t.dtype)
-        spans.append((k, t, t.ptr + lo * size, t.ptr + (hi + 1) * size))
+        lo, hi = extent(t.ptr, t.shape, t.strides, _ITEMSIZE.get(t.dtype) or itemsize(t.dtype))
+        spans.append((k, t, lo, hi))
     return spans
 
 

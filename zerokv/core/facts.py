@@ -123,7 +123,7 @@ def _read_two(
     dv = v_a.dtype
     f.device = dev = v_a.get_device()
     isz = _ITEMSIZE.get(dv) or _itemsize(dv)
-    w = _layout.VECTOR_BYTES // isz
+    w = _layout.vec(isz)
     ok = _layout.aligned(pa | pb, isz, w, sta0 | sta1 | stb0 | stb1 | D)
     neg = not torch and min(sta0, sta1, stb0, stb1, *ssa, *ssb) < 0
     sig = [dv, v_b.dtype, s_a.dtype, s_b.dtype, dev, v_b.get_device(), s_a.get_device(), s_b.get_device()]

@@ -97,7 +97,7 @@ def vec(dtype: str) -> int:
 
 @lru_cache(maxsize=256)
 def fast_divisor(d: int) -> tuple[int, int]:
-    """``(mul, shr)`` such that ``n // d == (n * mul >> 32) >> shr`` for every ``0 <= n < 2**31``
+    """``(mul, shr)`` such that ``n // d == (n * mul >> 32) >> shr`` for every ``0 <= n < INT32``
     (the kernels' ``fast_div``); ``(0, 0)`` for ``d == 1``. ``mul = ceil(2**p / d)`` with
     ``p = 31 + ceil(log2 d)``: its error ``mul * d - 2**p < d`` stays below ``2**p / n``."""
     if not 1 <= d < _layout.INT32:
@@ -304,7 +304,7 @@ CP_COMBINE = Kernel(
 
 def cp_finalize_vec(wire: str, out: str) -> int:
     """Elements per step of the finalize kernel: 16 bytes of the narrower of the two dtypes."""
-    return 16 // min(_dtypes.itemsize(wire), _dtypes.itemsize(out))
+    return _layout.vec(min(_dtypes.itemsize(wire), _dtypes.itemsize(out)))
 
 
 CP_FINALIZE = Kernel(

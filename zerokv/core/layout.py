@@ -63,8 +63,3 @@ def distinct(n0: int, s0: int, n1: int, s1: int, inner: int) -> bool:
     return ((n1 <= 1 or s1 >= inner) and (n0 <= 1 or s0 >= (n1 - 1) * s1 + inner)) or (
         (n0 <= 1 or s0 >= inner) and (n1 <= 1 or s1 >= (n0 - 1) * s0 + inner)
     )
-
-
-def fits32(span_elements: int) -> bool:
-    """Every element offset within a span of this many elements fits a signed 32-bit index."""
-    return span_elements < INT32

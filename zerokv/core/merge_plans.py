@@ -21,7 +21,7 @@ from . import forms as _forms
 from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
-from .layout import INT32, apart, apart_all, distinct, end, extent
+from .layout import INT32, apart, apart_all, distinct, end, extent, vec
 
 _FORM_CACHE_LIMIT = 4096  # distinct (T, H, D, layout) entries a plan keeps; past it, it starts again
 
@@ -53,7 +53,7 @@ class Plan:
         self.in_dtype = in_dtype
         self.out_dtype = o.dtype if o is not None else in_dtype
         self.in_size, self.out_size = _dtypes.itemsize(in_dtype), _dtypes.itemsize(self.out_dtype)
-        self.vec = (16 // self.in_size) if aligned else 1
+        self.vec = vec(self.in_size) if aligned else 1
         self.ctypes = (_dtypes.ctype(in_dtype), _dtypes.ctype(self.out_dtype))
         self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
         self.forms: dict = {}
