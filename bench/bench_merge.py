@@ -17,6 +17,9 @@ from functools import partial
 from typing import Any
 
 import zerokv
+import zerokv.core.checks
+import zerokv.core.dtypes
+import zerokv.core.kernels
 from zerokv import reference
 
 from . import baselines
@@ -278,6 +281,10 @@ def run_options(T: int, b: Bench) -> list[Row]:
 
         return call
 
+    def skip(f):
+        cu, kv, _ = reqs[f]
+        return lambda va, sa, vb, sb, o, ol, o8, bs: _a_empty_skip(va, sa, vb, sb, o, ol, cu, kv)
+
     def group_fp8(fmt):
         return lambda va, sa, vb, sb, o, ol, o8, bs: zerokv.merge_state(
             va, sa, vb, sb, out=o8, out_lse=ol, out_block_scale=bs, quant_group=QUANT_GROUP, scale_format=fmt
@@ -307,6 +314,9 @@ def run_options(T: int, b: Bench) -> list[Row]:
         (ZEROKV, group_fp8("float32"), {"option": "group_fp8", "scale_format": "float32"}),
         (ZEROKV, group_fp8("ue8m0"), {"option": "group_fp8", "scale_format": "ue8m0"}),
     ]  # fmt: skip
+    if not b.dry:  # a direct launch: GPU tensors only
+        for f in (0.25, 0.5):
+            impls.append(("zerokv, v_a after the search", skip(f), {"option": "a_empty", "empty": f}))
     if baselines.triton_runs(b.dry):
         impls.append((TRITON, triton_group(False), {"option": "group_fp8", "scale_format": "float32"}))
         impls.append((TRITON, triton_group(True), {"option": "group_fp8", "scale_format": "ue8m0"}))
@@ -350,6 +360,32 @@ def run_seed(T: int, b: Bench) -> list[Row]:
                 Entry("vLLM mask + masked_fill_ + merge", vllm, sets, None, {"empty": f, "layout": "HT"})
             )
     return b.measure("seed_pipeline", entries, nbytes, **fields)
+
+
+def _a_empty_skip(va: Any, sa: Any, vb: Any, sb: Any, o: Any, ol: Any, cu: Any, kv: Any) -> Any:
+    """The fused a_empty merge in its F_A_SKIP variant (v_a loaded after the request search, only
+    for rows that use it), launched through the library's form, binder and launcher: the
+    comparison behind merge.cu's choice of loading v_a with v_b."""
+    from zerokv.core import device, facts, forms, merge_plans, plans
+
+    f = facts.read_two((va, sa, vb, sb, o, ol, cu, kv, None, None, None))
+    f.prefix_rows = f.T
+    c = forms.MergeCall(
+        f.T, f.H, f.D, 16 // va.element_size(), str(va.dtype).split(".")[-1], str(o.dtype).split(".")[-1],
+        frozenset({"a_empty"}), False, True, True, ol.stride(0) == 1 and ol.stride(1) != 1, cu.dtype.itemsize == 8,
+    )  # fmt: skip
+    ctypes = (zerokv.core.dtypes.ctype(c.in_dtype), zerokv.core.dtypes.ctype(c.out_dtype))
+    form = forms.flat_options(c, forms.Device(device.sm_count(f.device), device.l2_bytes(f.device)), ctypes)
+    targs = (*form.targs[:-1], form.targs[-1] | zerokv.core.kernels.F_A_SKIP)
+    if targs not in form.kernel.instances:
+        raise ValueError(f"no F_A_SKIP variant of {form.kernel.name} {form.targs}")
+    consts = merge_plans.Consts()
+    consts.k, consts.inv_k = zerokv.core.checks.LSE_BASES["e"]
+    consts.suffix_verbatim, consts.a_is64, consts.prefix_rows, consts.ue8m0 = 0, int(c.a64), 0, 0
+    launcher = plans.launcher(form.kernel, targs, f.device)
+    bind = merge_plans._binder(form.kernel, facts.TwoFacts)
+    launcher.launch(form.grid, form.grid_y, device.torch_stream(f.device), bind, f, form, consts)
+    return o, ol
 
 
 def _merge_two() -> Any:
