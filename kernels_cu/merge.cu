@@ -627,6 +627,37 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4
 constexpr int NU = 4;
 constexpr int UN = 2;  // packs per input in flight: NU x UN loads, registers for 2 blocks of 128
 
+// merge_states with per-group fp8 output: one pack per lane per step over the row, every lane of
+// the warp in every step (a row past the last merges row 0 and stores nothing), so that a
+// group's 2^g_shr lanes (at most the row group's, the host keeps lanes >= them) meet in
+// group_scale's shuffles.
+template <typename Tin, typename Tout, int VEC>
+__device__ __forceinline__ void merge_states_groups(bool live, const Tin* pv, i64 v_sn, const float* ps, i64 s_sn,
+                                                    Tout* po, i64 N, i64 packs, i64 lanes, int col, float m,
+                                                    float scale, float k, float* bscale, i64 bs_at, i64 bs_sg,
+                                                    int g_shr, int ue8m0) {
+  for (i64 b0 = 0; b0 < packs; b0 += lanes) {
+    const i64 p = b0 + col;
+    const bool here = live && p < packs;
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+    for (i64 n = 0; n < N && here && scale != 0.f; ++n) {
+      const float l = ps[n * s_sn];
+      if (is_empty_lse(l)) continue;
+      const float w = fast_exp2((l - m) * k) * scale;
+      if (w == 0.f) continue;  // selected away: an input whose weight underflows is never read
+      const Pack<Tin, VEC> x = load_pack<Tin, VEC>(pv + n * v_sn + p * VEC);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] += w * to_float(x.v[j]);
+    }
+    const float gs = group_scale<VEC, ZK_BLOCK_merge_states_kernel>(acc, g_shr, ue8m0);
+    divide_rn<VEC>(acc, gs);
+    store_pack_if<Tout, VEC>(here, po + p * VEC, convert_pack<Tout, VEC>(acc, 1.f));
+    store_float_if(here && (p & ((1 << g_shr) - 1)) == 0, bscale, bs_at + (p >> g_shr) * bs_sg, gs);
+  }
+}
+
 template <typename Tin, typename Tout, int VEC>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_kernel(
     const Tin* __restrict__ v, i64 v_sn, i64 v_st, i64 v_sh,
@@ -634,13 +665,18 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_ker
     Tout* __restrict__ out, i64 out_st, i64 out_sh,
     float* __restrict__ olse, i64 ol_st, i64 ol_sh,
     i64 N, i64 T, i64 H, i64 D, i64 lanes, const float* sinks, float k, float inv_k,
-    const float* out_scale) {
+    const float* out_scale,
+    float* bscale, i64 bs_st, i64 bs_sg, i64 g_shr, i64 ue8m0) {  // per-group fp8 (bscale null: none)
   const i64 rows = T * H;
   const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   const int shift = __ffs((int)lanes) - 1;
-  const i64 row = gtid >> shift;
+  const i64 row0 = gtid >> shift;
   const int col = threadIdx.x & ((int)lanes - 1);
-  if (row >= rows) return;  // no LSE is read and written by different lanes: no barrier needed
+  const bool live = row0 < rows;
+  // no LSE is read and written by different lanes: no barrier needed; per-group fp8 keeps every
+  // lane for its shuffles
+  if (!live && bscale == nullptr) return;
+  const i64 row = live ? row0 : 0;
   const i64 packs = D / VEC;
   i64 t, h;
   split_row(row, H, rows, t, h);
@@ -664,10 +700,17 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_ker
   }
   float row_lse = nan ? quiet_nan() : (sum > 0.f ? m + fast_log2(sum) * inv_k : neg_inf());
   if (sinks != nullptr) scale *= apply_sink(row_lse, sinks[h], k, inv_k);
-  if (col == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = row_lse;
+  if (live && col == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = row_lse;
   if (nan) {  // every weight becomes NaN: the row shows the bug
     m = 0.f;
     scale = quiet_nan();
+  }
+  if (bscale != nullptr) {
+    const i64 groups = packs >> g_shr;
+    merge_states_groups<Tin, Tout, VEC>(live, v + t * v_st + h * v_sh, v_sn, ps, s_sn, out + t * out_st + h * out_sh,
+                                        N, packs, lanes, col, m, scale, k, bscale, t * bs_st + h * groups * bs_sg,
+                                        bs_sg, (int)g_shr, (int)ue8m0);
+    return;
   }
 
   const float inv_out = out_scale != nullptr ? 1.f / *out_scale : 1.f;

@@ -397,3 +397,18 @@ def test_cpu_group_fp8_rejects_bad_arguments_and_writes_nothing(kwargs, match):
     with pytest.raises((TypeError, ValueError), match=match):
         zerokv.merge_state(v_a, s_a, v_b, s_b, out_lse=lse, **args)
     assert torch.equal(out.view(torch.uint8), before[0]) and torch.equal(lse, before[1])
+
+
+def test_cpu_group_fp8_of_three_states_with_sinks():
+    T, H, D = 4, 2, 32
+    g = torch.Generator().manual_seed(34)
+    v, s = torch.randn(3, T, H, D, generator=g), torch.randn(3, T, H, generator=g)
+    s[1, 0] = float("-inf")
+    v[1, 0] = float("nan")
+    sinks = torch.randn(H, generator=g)
+    out = torch.zeros(T, H, D).to(torch.float8_e4m3fn)
+    bs = torch.zeros(H * D // 16, T).T
+    zerokv.merge_states(v, s, out=out, sinks=sinks, out_block_scale=bs, quant_group=16, scale_format="ue8m0")
+    merged, _ = reference.merge_states(f64(v), f64(s), sinks=f64(sinks))
+    values, scales = _hand_group_fp8(merged, 16, True)
+    assert np.array_equal(f64(out), values) and np.array_equal(f64(bs), scales)

@@ -147,6 +147,45 @@ def test_group_fp8_packs_its_scales_and_group(recorded, T, vec, fmt):  # noqa: F
     assert (args2["bscale"], args2["g_shr"], args2["ue8m0"]) == (bs.data_ptr(), args["g_shr"], args["ue8m0"])
 
 
+@pytest.mark.parametrize(("D", "vec", "group"), [(128, 8, 128), (64, 8, 16), (48, 1, 16)])
+def test_group_fp8_of_n_states_packs_its_scales_and_whole_groups_a_row_group(recorded, D, vec, group):  # noqa: F811
+    T, H = 9000, 8  # large enough that the lanes of a row would halve without groups
+    v = _n_states(3, T, H, D, aligned=vec > 1)
+    out8 = torch.empty(T, H, D, dtype=FP8)
+    bs = torch.empty(T, H * D // group)
+    zerokv.merge_states(
+        v, torch.randn(3, T, H), out=out8, out_block_scale=bs, quant_group=group, scale_format="ue8m0"
+    )
+    name, targs, _, args = recorded[-1]
+    assert name == "merge_states_kernel" and targs == ("zk_bfloat16", "zk_fp8_e4m3", vec)
+    assert (args["bscale"], args["bs_st"], args["bs_sg"], args["ue8m0"]) == (
+        bs.data_ptr(),
+        H * D // group,
+        1,
+        1,
+    )
+    assert 1 << args["g_shr"] == group // vec and args["lanes"] >= group // vec
+
+
+def test_group_fp8_of_unaligned_n_states_takes_groups_of_at_most_32_values(recorded):  # noqa: F811
+    T, H, D = 5, 2, 128
+    v = _n_states(3, T, H, D, aligned=False)
+    out8 = torch.zeros(T, H, D, dtype=FP8)
+    bs = torch.zeros(T, H * D // 64)
+    with pytest.raises(ValueError, match="at most 32 values"):
+        zerokv.merge_states(v, torch.randn(3, T, H), out=out8, out_block_scale=bs, quant_group=64)
+    assert not recorded and bs.eq(0).all()
+
+
+def _n_states(N, T, H, D, aligned=True):
+    v = torch.randn(N, T, H, D).bfloat16()
+    if aligned:
+        return v
+    u = torch.empty(v.numel() + 1, dtype=torch.bfloat16)[1:].view(v.shape)  # one element in: no vector path
+    u.copy_(v)
+    return u
+
+
 def test_plain_calls_pack_no_option(recorded):  # noqa: F811
     va, sa, vb, sb = _cpu_states()
     zerokv.merge_state(va, sa, vb, sb, out=torch.empty_like(va))
@@ -482,3 +521,53 @@ def test_vllm_rules_for_the_per_group_output():
     ro, _ = reference.merge_state(f64(va), f64(sa.T), f64(vb), f64(sb.T))
     values, scales = reference.fp8_group_scales(ro, 32)
     assert np.array_equal(f64(out), values) and np.array_equal(f64(bs), scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    ("D", "aligned", "group"), [(128, True, 128), (128, True, 16), (64, False, 32), (48, False, 16)]
+)
+@pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
+def test_group_fp8_of_n_states_bit_for_bit(D, aligned, group, fmt):
+    """Four states, two empty (garbage V) and two of one LSE: weights 0, 0, 1/2, 1/2, an exact
+    merge in float32; per-group fp8 bit for bit against the reference."""
+    N, T, H = 4, 300, 6
+    g = torch.Generator(device="cuda").manual_seed(D + group)
+    v = torch.randn(N, T, H, D, device="cuda", generator=g).to(torch.bfloat16)
+    if not aligned:
+        u = torch.empty(v.numel() + 1, device="cuda", dtype=torch.bfloat16)[1:].view(v.shape)
+        u.copy_(v)
+        v = u
+    s = torch.randn(T, H, device="cuda", generator=g).expand(N, T, H).clone()
+    s[0], s[2] = -INF, INF
+    v[0], v[2] = NAN, INF
+    out = torch.full((T, H, D), NAN, device="cuda").to(FP8)
+    lse = torch.full((T, H), NAN, device="cuda")
+    bs = _block_scale(T, H * D // group, "cols")
+    zerokv.merge_states(v, s, out=out, out_lse=lse, out_block_scale=bs, quant_group=group, scale_format=fmt)
+    ro, rl = reference.merge_states(f64(v), f64(s))
+    values, scales = reference.fp8_group_scales(ro, group, fmt == "ue8m0")
+    assert torch.equal(
+        out.cpu().view(torch.uint8), torch.from_numpy(values).float().to(FP8).view(torch.uint8)
+    )
+    assert torch.equal(bs.cpu(), torch.from_numpy(scales).float())
+    assert_close(lse, rl, torch.float32, "lse")
+
+
+@pytest.mark.gpu
+def test_group_fp8_of_n_states_with_sinks_within_one_step():
+    N, T, H, D = 3, 500, 8, 128
+    v = torch.randn(N, T, H, D, device="cuda").to(torch.bfloat16)
+    s = torch.randn(N, T, H, device="cuda") * 2
+    s[1, ::4] = -INF
+    v[1, ::4] = NAN
+    sinks = torch.randn(H, device="cuda")
+    out = torch.full((T, H, D), NAN, device="cuda").to(FP8)
+    bs = _block_scale(T, H * D // 128, "rows")
+    zerokv.merge_states(v, s, out=out, sinks=sinks, out_block_scale=bs, quant_group=128)
+    ro, _ = reference.merge_states(f64(v), f64(s), sinks=f64(sinks))
+    values, scales = reference.fp8_group_scales(ro, 128)
+    np.testing.assert_allclose(f64(bs), scales, rtol=1e-5)
+    got = f64(out)
+    assert not np.isnan(got).any()
+    assert (np.abs(got - values) <= np.maximum(np.abs(values) / 8, 2.0**-9)).all()

@@ -131,7 +131,8 @@ def merge_states(
         out, out_lse, lse_base, out_scale, sinks: as :func:`merge_state`; the outputs may not
             overlap ``v`` or ``s`` at all.
         out_block_scale, quant_group, scale_format: per-group fp8 output as
-            :func:`merge_state` (two states, N = 2, without sinks).
+            :func:`merge_state` (with sinks too; states not aligned to 16 bytes take groups
+            of at most 32 values).
 
     Empty inputs contribute nothing and their V never reaches the output; all empty gives
     ``(0, -inf)``; NaN propagates. One launch, no host sync.

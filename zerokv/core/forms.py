@@ -253,11 +253,22 @@ def merge_states_lanes(packs: int, rows: int, dev: Device) -> int:
     return lanes
 
 
-def merge_states(N: int, T: int, H: int, D: int, vec: int, dev: Device, targs: tuple) -> Form:
-    """merge_states_kernel's launch (N = 2 without options takes ``merge_two``'s forms)."""
+def merge_states(N: int, T: int, H: int, D: int, vec: int, dev: Device, targs: tuple, group: int = 0) -> Form:
+    """merge_states_kernel's launch (N = 2 without options takes ``merge_two``'s forms).
+    ``group``: per-group fp8, its values a group; a row group holds at least a group's packs
+    (at most a warp of them: ValueError past it, unaligned calls with groups over 32 values)."""
     lanes = merge_states_lanes(D // vec, T * H, dev)
+    g_shr = 0
+    if group:
+        packs = group // vec
+        if packs > 32:
+            raise ValueError(
+                f"quant_group: merge_states of states not aligned to 16 bytes takes groups of at most 32 values,"
+                f" got {group}"
+            )
+        lanes, g_shr = max(lanes, packs), packs.bit_length() - 1
     k = _kernels.MERGE_STATES
-    return Form(k, targs, _ceil(T * H * lanes, k.block), lanes=lanes)
+    return Form(k, targs, _ceil(T * H * lanes, k.block), lanes=lanes, g_shr=g_shr)
 
 
 def empty_rows_grid(T: int, H: int, D: int, vec: int, dev: Device) -> int:

@@ -249,7 +249,7 @@ MERGE_STATES = Kernel(
         "ptr v, i64 v_sn, i64 v_st, i64 v_sh, ptr s, i64 s_sn, i64 s_st, i64 s_sh,"
         " ptr out, i64 out_st, i64 out_sh, ptr olse, i64 ol_st, i64 ol_sh,"
         " i64 N, i64 T, i64 H, i64 D, i64 lanes, ptr sinks,"
-        " f32 k, f32 inv_k, ptr out_scale"
+        " f32 k, f32 inv_k, ptr out_scale, ptr bscale, i64 bs_st, i64 bs_sg, i64 g_shr, i64 ue8m0"
     ),
 )
 

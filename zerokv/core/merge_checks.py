@@ -175,10 +175,6 @@ def n(objs: tuple, base: Any, quant: tuple = (None, "float32")) -> dict[str, Any
         scale = _checks.out_scale(t["out_scale"], o.dtype if o is not None else vt.dtype, device, "out_scale")
     else:
         scale = None
-        if N != 2 or sinks is not None:
-            raise ValueError(
-                f"out_block_scale: per-group fp8 output of merge_states takes N = 2 states without sinks, got N = {N}"
-            )
     if N == 0:
         raise ValueError("v: expected at least one state (N >= 1), got N = 0")
     ins = [("v", vt), ("s", st)] + [(nm, x) for nm, x in (("out_scale", scale), ("sinks", sinks)) if x]

@@ -59,7 +59,8 @@ class NPlan(Plan):
         v = _merge_checks.n(f.objs, scalars[0], _quant(scalars))
         self._setup(v, v["v"].dtype, v["out"], f.sig[-2], f.torch)
         self.plain = v["scale"] is None and v["sinks"] is None and v["block_scale"] is None
-        self.group = v["quant_group"] if v["block_scale"] is not None else 0  # N = 2 only
+        self.group = v["quant_group"] if v["block_scale"] is not None else 0
+        self.no_sinks = v["sinks"] is None
         self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
         self.allocate_lse = scalars[1]
         self.consts.prefix_rows = 0
@@ -87,7 +88,7 @@ class NPlan(Plan):
 
     def _form(self, key: tuple) -> tuple:
         N, T, H, D, fits, s32, tiles = key
-        if self.group:  # per-group fp8, two states: the flat family with the feature
+        if self.group and N == 2 and self.no_sinks:  # per-group fp8, two states: the flat family
             c = _forms.MergeCall(
                 T, H, D, self.vec, self.in_dtype, self.out_dtype, frozenset({"group_fp8"}), False, fits, s32,
                 tiles, quant_group=self.group,
@@ -105,7 +106,7 @@ class NPlan(Plan):
             form = _forms.flat_family(c, self.dev, self.ctypes)
             if form is not None:
                 return form, _facts.TwoFacts, partial(_as_two, isz=self.in_size)
-        form = _forms.merge_states(N, T, H, D, self.vec, self.dev, (*self.ctypes, self.vec))
+        form = _forms.merge_states(N, T, H, D, self.vec, self.dev, (*self.ctypes, self.vec), self.group)
         return form, _facts.NFacts, None
 
     def check(self, f: _facts.NFacts) -> int:
