@@ -44,6 +44,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(_device, "sm_count", lambda device: 132)
     monkeypatch.setattr(_device, "l2_bytes", lambda device: 50 << 20)
     monkeypatch.setattr(_device, "torch_stream", lambda device: 0)
+    monkeypatch.setattr(_device, "cupy_stream", lambda device: 0)
     for name in ("read_two", "read_n", "read_rows"):
         monkeypatch.setattr(_facts, name, _on_device(getattr(_facts, name)))
     yield log
@@ -51,8 +52,8 @@ def recorded(monkeypatch):
 
 
 def _on_device(read):
-    def on_device(objs):
-        f = read(objs)
+    def on_device(*args):
+        f = read(*args)
         if f is not None:
             f.device = 0
         return f
@@ -414,3 +415,40 @@ def test_alignment_is_part_of_the_signature(recorded):
     for x in (v_a.clone(), _shifted(v_a), v_a.clone()):
         zerokv.fixup_zero_kv_rows(x, torch.randn(T, H), lens, cu)
         assert recorded[-1][1][1] == (1 if x.data_ptr() % 16 else 8)
+
+
+def test_vllm_reads_its_h_t_lses_as_their_transposes(recorded):
+    """vLLM's [H, T] LSEs reach the kernel as the [T, H] layout (token stride 1) without a
+    view made per call, the same launch as merge_state with ``.T`` views; an LSE of the wrong
+    shape is reported in vLLM's terms."""
+    T, H, D = 40, 4, 64
+    v_a, _, v_b, _ = _states(T, H, D)
+    p_lse, s_lse, o_lse = torch.randn(H, T), torch.randn(H, T), torch.empty(H, T)
+    out = torch.empty(T, H, D, dtype=torch.bfloat16)
+    vllm.merge_attn_states(out, v_a, p_lse, v_b, s_lse, o_lse)
+    name, targs, grid, a = recorded[-1]
+    assert (a["sa"], a["sa_st"], a["sa_sh"], a["ol_st"], a["ol_sh"]) == (p_lse.data_ptr(), 1, T, 1, T)
+    assert a["suffix_verbatim"] == 1
+    zerokv.merge.merge_two(v_a, p_lse.T, v_b, s_lse.T, out, o_lse.T, suffix_verbatim=True, allocate_lse=False)
+    assert recorded[-1][:3] == (name, targs, grid) and recorded[-1][3] == a
+    with pytest.raises(ValueError, match=r"prefix_lse: expected shape \(4, 40\) \(num_heads, num_tokens\)"):
+        vllm.merge_attn_states(out, v_a, p_lse.T.contiguous(), v_b, s_lse, o_lse)
+
+
+def test_other_producers_take_the_same_path(recorded):
+    """Arrays of another producer (numpy here, read through DLPack's facts as CuPy's are) are
+    read into the same facts and launch what the same torch tensors launch; a later call with
+    a partial overlap is rejected by name."""
+    np = pytest.importorskip("numpy")
+    T, H, D = 33, 4, 64
+    v_a, s_a, v_b, s_b = (x.float() for x in _states(T, H, D))
+    out, out_lse = torch.empty(T, H, D), torch.empty(T, H)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse)
+    want = recorded[-1]
+    arrays = [x.numpy() for x in (v_a, s_a, v_b, s_b, out, out_lse)]
+    for _ in range(2):  # the plan's first call, then its cheap check
+        zerokv.merge_state(*arrays[:4], out=arrays[4], out_lse=arrays[5])
+        assert recorded[-1] == want
+    buf = np.zeros(T * H + 1, dtype=np.float32)
+    with pytest.raises(ValueError, match="out_lse overlaps the input s_b"):
+        zerokv.merge_state(*arrays[:3], buf[:-1].reshape(T, H), out=arrays[4], out_lse=buf[1:].reshape(T, H))

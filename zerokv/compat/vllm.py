@@ -76,11 +76,10 @@ def merge_attn_states(
             raise ValueError("output_scale: must be None with output_block_scale")
         group = quant_group_size
     try:
-        _merge_plans.two(
-            prefix_output, _th(prefix_lse, "prefix_lse"), suffix_output, _th(suffix_lse, "suffix_lse"),
-            output, None if output_lse is None else _th(output_lse, "output_lse"),
+        _merge_plans.two(  # the [H, T] LSEs read as [T, H]; _th makes the views the checks need
+            prefix_output, prefix_lse, suffix_output, suffix_lse, output, output_lse,
             "e", prefill_tokens_with_context, None, output_scale, None, None, True, False, _MERGE_NAMES,
-            output_block_scale, group, "ue8m0" if quant_scale_ue8m0 else "float32",
+            output_block_scale, group, "ue8m0" if quant_scale_ue8m0 else "float32", _th,
         )  # fmt: skip
     except (TypeError, ValueError):
         _explain_lse_shapes(_token_head(prefix_output), lses)  # vLLM's [H, T] terms when an LSE is off

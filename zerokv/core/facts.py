@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import layout as _layout
-from .tensors import torch_tensor_type, view
+from .layout import INT32
+from .tensors import is_torch, torch_tensor_type, view
 
 _ITEMSIZE = {}  # dtype (torch object or name) -> bytes, filled as dtypes are met
 
@@ -47,13 +48,6 @@ class _Generic:
     def get_device(self) -> int:
         return self.device
 
-    @property
-    def requires_grad(self) -> bool:
-        return False
-
-    def is_inference(self) -> bool:
-        return False
-
 
 def generic(x: Any) -> Any:
     """``x`` itself for a torch tensor (or None), else its facts in torch's spelling."""
@@ -63,139 +57,174 @@ def generic(x: Any) -> Any:
 
 
 def writable_cheap(x: Any) -> bool:
-    """An output that the full check (``checks.writable``) would let through, decided from
-    the object alone: a torch tensor that needs no grad and is no inference tensor; a CUDA
-    array of another producer that is not a JAX array."""
-    if type(x) is _Generic:
-        return type(x.obj).__module__.split(".", 1)[0] not in ("jax", "jaxlib")
-    return not (x.requires_grad or x.is_inference())
+    """An output (the caller's object) that the full check (``checks.writable``) would let
+    through, decided from the object alone: a torch tensor that needs no grad and is no
+    inference tensor; a CUDA array of another producer that is not a JAX array. False: the
+    full check decides (a torch subclass, say)."""
+    if type(x) is torch_tensor_type():
+        return not (x.requires_grad or x.is_inference())
+    return not is_torch(x) and type(x).__module__.split(".", 1)[0] not in ("jax", "jaxlib")
 
 
 class TwoFacts:
     """A two-way merge call: its objects (``objs``, the caller's, in the order v_a, s_a, v_b,
     s_b, out, out_lse, a_cu, a_lens, row_mask, out_scale, sinks), its signature part
-    (``sig``) and each tensor's facts under the kernel's parameter names; a missing tensor
-    has pointer 0. ``torch``: every tensor is a torch tensor (their stream and allocator)."""
+    (``sig``) and each tensor's facts under the kernel's parameter names (a missing tensor
+    has pointer 0); ``regular``: every rank, shape and head_dim stride as a merge needs them,
+    sizes nonzero and below 2^31, no negative stride; then ``spans`` (the inputs' byte ranges),
+    ``out_end`` / ``ol_end``, ``widest`` (elements spanned by the widest tensor, or T * H * D)
+    and ``strides_or`` hold. ``torch``: every tensor is a torch tensor."""
 
     __slots__ = (
-        "objs", "sig", "torch", "device", "neg",
-        "va", "va_st", "va_sh", "va_in", "vb", "vb_st", "vb_sh", "vb_in", "vb_shape",
-        "sa", "sa_st", "sa_sh", "sa_shape", "sb", "sb_st", "sb_sh", "sb_shape",
-        "out", "out_st", "out_sh", "out_in", "out_shape", "olse", "ol_st", "ol_sh", "ol_shape",
-        "T", "H", "D", "prefix_rows",
+        "objs", "sig", "torch", "device", "regular", "spans", "out_end", "ol_end", "widest", "strides_or",
+        "va", "va_st", "va_sh", "vb", "vb_st", "vb_sh", "sa", "sa_st", "sa_sh", "sb", "sb_st", "sb_sh",
+        "out", "out_st", "out_sh", "olse", "ol_st", "ol_sh", "T", "H", "D", "prefix_rows",
         "a_cu", "a_lens", "a_batch", "cu_len", "cu_st", "lens_len", "lens_st",
         "row_mask", "mask_len", "mask_st", "sinks", "sinks_len", "sinks_st", "out_scale", "scale_len",
         "bscale", "bs_st", "bs_sg", "bs_shape",
     )  # fmt: skip
 
 
-def read_two(objs: tuple) -> TwoFacts | None:
+def read_two(objs: tuple, lse_ht: bool = False) -> TwoFacts | None:
     """The facts of a two-way merge; None when an argument is not a tensor of the expected
-    rank (the full validation then says which)."""
+    rank (the full validation then says which). ``lse_ht``: the LSEs are ``[H, T]`` tensors,
+    read as their ``[T, H]`` transposes (no view made)."""
     try:
-        return _read_two(objs, True, *objs)  # torch tensors: any other object has no data_ptr
+        return _read_two(objs, True, lse_ht, *objs)  # torch tensors: any other object has no data_ptr
     except (AttributeError, TypeError, ValueError):
         pass
     try:
         gen = tuple(generic(x) for x in objs)
-        return _read_two(objs, all(type(x) is not _Generic for x in gen), *gen)
+        return _read_two(objs, all(type(x) is not _Generic for x in gen), lse_ht, *gen)
     except (AttributeError, TypeError, ValueError):
         return None
 
 
 def _read_two(
-    objs, torch, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks, bscale=None
+    objs, torch, ht, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks, bscale=None
 ) -> TwoFacts:
     f = TwoFacts()
     f.objs, f.torch = objs, torch
+    end = _layout.end
     f.va = pa = v_a.data_ptr()
-    f.T, f.H, f.D = T, H, D = v_a.shape
-    sta0, sta1, f.va_in = v_a.stride()
+    sh = v_a.shape
+    f.T, f.H, f.D = T, H, D = sh
+    th = (H, T) if ht else sh[:2]  # the LSEs' shape
+    sta0, sta1, va_in = v_a.stride()
     f.va_st, f.va_sh = sta0, sta1
     f.vb = pb = v_b.data_ptr()
-    f.vb_shape = v_b.shape
-    stb0, stb1, f.vb_in = v_b.stride()
+    stb0, stb1, vb_in = v_b.stride()
     f.vb_st, f.vb_sh = stb0, stb1
-    f.sa, f.sa_shape = s_a.data_ptr(), s_a.shape
-    f.sa_st, f.sa_sh = ssa = s_a.stride()
-    f.sb, f.sb_shape = s_b.data_ptr(), s_b.shape
-    f.sb_st, f.sb_sh = ssb = s_b.stride()
+    f.sa = psa = s_a.data_ptr()
+    ssa0, ssa1 = s_a.stride()
+    if ht:
+        ssa0, ssa1 = ssa1, ssa0
+    f.sa_st, f.sa_sh = ssa0, ssa1
+    f.sb = psb = s_b.data_ptr()
+    ssb0, ssb1 = s_b.stride()
+    if ht:
+        ssb0, ssb1 = ssb1, ssb0
+    f.sb_st, f.sb_sh = ssb0, ssb1
     dv = v_a.dtype
     f.device = dev = v_a.get_device()
     isz = _ITEMSIZE.get(dv) or _itemsize(dv)
     w = _layout.vec(isz)
+    st_or = sta0 | sta1 | stb0 | stb1 | ssa0 | ssa1 | ssb0 | ssb1
     ok = _layout.aligned(pa | pb, isz, w, sta0 | sta1 | stb0 | stb1 | D)
-    neg = not torch and min(sta0, sta1, stb0, stb1, *ssa, *ssb) < 0
+    regular = (
+        0 < T < INT32 and 0 < H < INT32 and D > 0
+        and v_b.shape == sh and s_a.shape == th and s_b.shape == th and (D == 1 or va_in == vb_in == 1)
+    )  # fmt: skip
     sig = [dv, v_b.dtype, s_a.dtype, s_b.dtype, dev, v_b.get_device(), s_a.get_device(), s_b.get_device()]
+    widest = T * H * D
+    if regular:
+        ea, eb = end(pa, T, sta0, H, sta1, D, isz), end(pb, T, stb0, H, stb1, D, isz)
+        esa, esb = end(psa, T, ssa0, H, ssa1, 1, 4), end(psb, T, ssb0, H, ssb1, 1, 4)
+        f.spans = [(pa, ea), (pb, eb), (psa, esa), (psb, esb)]
+        widest = max(widest, max(ea - pa, eb - pb) // isz, max(esa - psa, esb - psb) >> 2)
     if out is None:
         f.out = f.out_st = f.out_sh = 0
-        f.out_shape = None
         sig.append(None)
     else:
         f.out = po = out.data_ptr()
-        f.out_shape = out.shape
-        st0, st1, f.out_in = out.stride()
+        st0, st1, out_in = out.stride()
         f.out_st, f.out_sh = st0, st1
+        st_or |= st0 | st1
         do = out.dtype
-        ok = ok and _layout.aligned(po, _ITEMSIZE.get(do) or _itemsize(do), w, st0 | st1)
-        neg = neg or (not torch and min(st0, st1) < 0)
+        osz = _ITEMSIZE.get(do) or _itemsize(do)
+        ok = ok and _layout.aligned(po, osz, w, st0 | st1)
         sig += (do, out.get_device())
+        regular = regular and out.shape == sh and (D == 1 or out_in == 1)
+        if regular:
+            f.out_end = eo = end(po, T, st0, H, st1, D, osz)
+            widest = max(widest, (eo - po) // osz)
     if out_lse is None:
         f.olse = f.ol_st = f.ol_sh = 0
-        f.ol_shape = None
         sig.append(None)
     else:
-        f.olse, f.ol_shape = out_lse.data_ptr(), out_lse.shape
-        f.ol_st, f.ol_sh = st = out_lse.stride()
-        neg = neg or (not torch and min(st) < 0)
+        f.olse = pl = out_lse.data_ptr()
+        sl0, sl1 = out_lse.stride()
+        if ht:
+            sl0, sl1 = sl1, sl0
+        f.ol_st, f.ol_sh = sl0, sl1
+        st_or |= sl0 | sl1
         sig += (out_lse.dtype, out_lse.get_device())
+        regular = regular and out_lse.shape == th
+        if regular:
+            f.ol_end = el = end(pl, T, sl0, H, sl1, 1, 4)
+            widest = max(widest, (el - pl) >> 2)
     f.a_cu = f.a_lens = f.a_batch = f.row_mask = f.sinks = f.out_scale = 0
     if cu is not None or lens is not None or mask is not None or scale is not None or sinks is not None:
-        neg = _read_options(f, sig, cu, lens, mask, scale, sinks) or neg
-    neg = _read_block_scale(f, sig, bscale, torch) or neg
-    f.neg = neg
+        st_or |= _read_options(f, sig, cu, lens, mask, scale, sinks)
+    bs_ok = _read_block_scale(f, sig, bscale)
+    f.regular = regular and st_or >= 0 and bs_ok
+    f.widest, f.strides_or = widest, st_or
     sig += (ok, torch)
     f.sig = tuple(sig)
     return f
 
 
-def _read_block_scale(f: Any, sig: list, bscale: Any, torch: bool) -> bool:
-    """The per-group fp8 scales' facts (out_block_scale, [T, groups], any strides); True when a
+def _read_block_scale(f: Any, sig: list, bscale: Any) -> bool:
+    """The per-group fp8 scales' facts (out_block_scale, [T, groups], any strides); False when a
     stride is negative."""
     if bscale is None:
         f.bscale = f.bs_st = f.bs_sg = 0
         f.bs_shape = None
-        return False
+        return True
     f.bscale, f.bs_shape = bscale.data_ptr(), bscale.shape
     f.bs_st, f.bs_sg = st = bscale.stride()
     sig += ("bscale", bscale.dtype, bscale.get_device())
-    return not torch and min(st) < 0
+    return min(st) >= 0
 
 
-def _read_options(f: TwoFacts, sig: list, cu, lens, mask, scale, sinks) -> bool:
-    """The option tensors' facts (a_empty's pair, row_mask, out_scale, sinks); True when one
-    has a negative stride."""
-    neg = False
-    for name, x in (("cu", cu), ("lens", lens), ("mask", mask), ("scale", scale), ("sinks", sinks)):
-        if x is None:
-            sig.append(None)
-            continue
-        (n,) = x.shape if name != "scale" else (_numel(x.shape),)
-        st = x.stride()[0] if name != "scale" and n else 1
-        neg = neg or st < 0
-        ptr = x.data_ptr()
-        sig += (name, x.dtype, x.get_device())
-        if name == "cu":
-            f.a_cu, f.cu_len, f.cu_st, f.a_batch = ptr, n, st, n - 1
-        elif name == "lens":
-            f.a_lens, f.lens_len, f.lens_st = ptr, n, st
-        elif name == "mask":
-            f.row_mask, f.mask_len, f.mask_st = ptr, n, st
-        elif name == "scale":
-            f.out_scale, f.scale_len = ptr, n
-        else:
-            f.sinks, f.sinks_len, f.sinks_st = ptr, n, st
+def _read_options(f: TwoFacts, sig: list, cu, lens, mask, scale, sinks) -> int:
+    """The option tensors' facts (a_empty's pair, row_mask, out_scale, sinks), each option's
+    dtype and device (or None) into ``sig``; their strides OR-ed (negative when one is)."""
+    neg = 0
+    if cu is not None:
+        f.a_cu, f.cu_len, f.cu_st = _one_d(cu)
+        f.a_batch = f.cu_len - 1
+        neg |= f.cu_st
+    if lens is not None:
+        f.a_lens, f.lens_len, f.lens_st = _one_d(lens)
+        neg |= f.lens_st
+    if mask is not None:
+        f.row_mask, f.mask_len, f.mask_st = _one_d(mask)
+        neg |= f.mask_st
+    if sinks is not None:
+        f.sinks, f.sinks_len, f.sinks_st = _one_d(sinks)
+        neg |= f.sinks_st
+    if scale is not None:
+        f.out_scale, f.scale_len = scale.data_ptr(), _numel(scale.shape)
+    for x in (cu, lens, mask, scale, sinks):
+        sig += (None,) if x is None else (x.dtype, x.get_device())
     return neg
+
+
+def _one_d(x: Any) -> tuple[int, int, int]:
+    """(pointer, length, stride) of a 1-D tensor; ValueError for another rank."""
+    (n,) = x.shape
+    return x.data_ptr(), n, x.stride()[0] if n else 1
 
 
 def _numel(shape: tuple) -> int:
@@ -273,7 +302,7 @@ def _read_n(objs, torch, v, s, out, out_lse, scale, sinks, bscale=None) -> NFact
         (f.sinks_len,) = sinks.shape
         f.sinks, f.sinks_st = sinks.data_ptr(), sinks.stride()[0] if f.sinks_len else 1
         sig += ("sinks", sinks.dtype, sinks.get_device())
-    neg = _read_block_scale(f, sig, bscale, torch) or neg
+    neg = not _read_block_scale(f, sig, bscale) or neg
     f.neg = neg
     sig += (ok, torch)
     f.sig = tuple(sig)

@@ -100,11 +100,13 @@ _FEATURES = ("a_empty", "row_mask", "out_scale", "sinks", "group_fp8")
 def two(
     v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks,
     row_mask=None, suffix_verbatim=False, allocate_lse=None, names=None,
-    out_block_scale=None, quant_group=None, scale_format="float32",
+    out_block_scale=None, quant_group=None, scale_format="float32", lse_ht=None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The two-way merge of ``merge.merge_two``'s arguments (``names``: the caller's names of
     the arguments, for messages; ``out_block_scale``, ``quant_group``, ``scale_format``: the
-    per-group fp8 output)."""
+    per-group fp8 output). ``lse_ht``: the LSEs are ``[H, T]`` tensors, read as their
+    transposes; a function ``(lse, name) -> [T, H] view`` for the full checks (the adapter's
+    messages)."""
     if a_empty is None:
         cu = lens = None
     else:
@@ -113,23 +115,34 @@ def two(
     if out_block_scale is not None:
         objs += (out_block_scale,)
     scalars = (
-        lse_base,
-        prefix_rows is None,
-        suffix_verbatim,
-        out is None if allocate_lse is None else allocate_lse,
-        (quant_group, scale_format),
-    )
-    f = _facts.read_two(objs)
+        lse_base, prefix_rows is None, suffix_verbatim, out is None if allocate_lse is None else allocate_lse,
+        (quant_group, scale_format), lse_ht is not None,
+    )  # fmt: skip
+    f = _facts.read_two(objs, lse_ht is not None)
     if f is None or f.device < 0:
-        return _cpu_two(objs, scalars, prefix_rows, names)
+        return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
     key = (scalars, f.sig)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans.lookup(key, lambda: TwoPlan(f, scalars, prefix_rows, names))
-    return plan(f, prefix_rows, names, scalars)
+        plan = _plans.lookup(key, lambda: TwoPlan(f, scalars, prefix_rows, names, lse_ht))
+    return plan(f, prefix_rows, names, scalars, lse_ht)
 
 
-def _cpu_two(objs: tuple, scalars: tuple, prefix_rows: Any, names: dict | None) -> tuple[Any, Any]:
+def _th_views(objs: tuple, lse_ht: Any, names: dict | None) -> tuple:
+    """The objects with their ``[H, T]`` LSEs as ``[T, H]`` views (``lse_ht(x, name)``)."""
+    if lse_ht is None:
+        return objs
+    n = names or {}
+    v_a, s_a, v_b, s_b, out, out_lse, *rest = objs
+    s_a, s_b = lse_ht(s_a, n.get("s_a", "s_a")), lse_ht(s_b, n.get("s_b", "s_b"))
+    out_lse = None if out_lse is None else lse_ht(out_lse, n.get("out_lse", "out_lse"))
+    return (v_a, s_a, v_b, s_b, out, out_lse, *rest)
+
+
+def _cpu_two(
+    objs: tuple, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any
+) -> tuple[Any, Any]:
+    objs = _th_views(objs, lse_ht, names)
     v = _merge_checks.two(objs, scalars[0], prefix_rows, names, scalars[4])
     host_only(v["device"])
     va, T, H, D = v["va"], v["T"], v["H"], v["D"]
@@ -153,8 +166,12 @@ class TwoPlan(Plan):
     """Every call of one two-way merge signature: element types, vector width, features,
     constants, and the forms met so far by (T, H, D, layout)."""
 
-    def __init__(self, f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: dict | None) -> None:
-        v = _merge_checks.two(f.objs, scalars[0], prefix_rows, names, scalars[4])  # every check, once
+    def __init__(
+        self, f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any
+    ) -> None:
+        v = _merge_checks.two(
+            _th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4]
+        )  # every check, once
         self._setup(v, v["va"].dtype, v["out"], f.sig[-2], f.torch)
         given = (v["cu"], v["mask"], v["scale"], v["sinks"], v["block_scale"])
         self.features = frozenset(n for n, x in zip(_FEATURES, given, strict=True) if x is not None)
@@ -167,22 +184,18 @@ class TwoPlan(Plan):
         self.allocate_lse = scalars[3]
         self.may_alias = self.in_dtype == self.out_dtype  # an exact alias of v_a / v_b
 
-    def __call__(self, f: _facts.TwoFacts, prefix_rows: Any, names: dict | None, scalars: tuple):
+    def __call__(self, f: _facts.TwoFacts, prefix_rows: Any, names: dict | None, scalars: tuple, lse_ht: Any):
         T, H, D = f.T, f.H, f.D
         if prefix_rows is None:
             f.prefix_rows = T
         else:
             f.prefix_rows = prefix_rows if type(prefix_rows) is int and 0 <= prefix_rows <= T else -1
-        widest = self.check(f)
-        if widest < 0:  # something the cheap check does not decide: the full checks do
-            _merge_checks.two(f.objs, scalars[0], prefix_rows, names, scalars[4])
+        if self.check(f):
+            widest, s32 = f.widest, f.strides_or < INT32
+        else:  # something the cheap check does not decide: the full checks do
+            _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4])
             f.prefix_rows = T if prefix_rows is None else prefix_rows
             widest, s32 = _exact_two(f, self)
-        else:
-            s32 = (
-                f.va_st | f.va_sh | f.vb_st | f.vb_sh | f.sa_st | f.sa_sh | f.sb_st | f.sb_sh
-                | f.out_st | f.out_sh | f.ol_st | f.ol_sh
-            ) < INT32  # fmt: skip
         objs = f.objs
         out, out_lse = objs[4], objs[5]
         if out is None:
@@ -206,66 +219,44 @@ class TwoPlan(Plan):
         )  # fmt: skip
         return _forms.merge_two(c, self.dev, self.ctypes), _facts.TwoFacts, None
 
-    def check(self, f: _facts.TwoFacts) -> int:
+    def check(self, f: _facts.TwoFacts) -> bool:
         """What may change between calls of this signature, without messages: shapes, unit
-        head_dim strides, prefix_rows, writable outputs apart from the inputs (or exactly one
-        they may alias). The widest tensor's span in elements, or -1: the full checks decide."""
-        T, H, D = f.T, f.H, f.D
-        if f.neg or f.prefix_rows < 0 or T >= INT32 or H >= INT32 or not (T and H and D):
-            return -1
-        th = (T, H)
-        if f.vb_shape != (T, H, D) or f.sa_shape != th or f.sb_shape != th:
-            return -1
-        if D > 1 and (f.va_in != 1 or f.vb_in != 1):
-            return -1
-        isz, pa, pb, psa, psb = self.in_size, f.va, f.vb, f.sa, f.sb
-        ea, eb = end(pa, T, f.va_st, H, f.va_sh, D, isz), end(pb, T, f.vb_st, H, f.vb_sh, D, isz)
-        esa, esb = end(psa, T, f.sa_st, H, f.sa_sh, 1, 4), end(psb, T, f.sb_st, H, f.sb_sh, 1, 4)
-        spans = [(pa, ea), (pb, eb), (psa, esa), (psb, esb)]
-        widest = max(max(ea - pa, eb - pb) // isz, max(esa - psa, esb - psb) // 4, T * H * D)
-        if self.features:
-            widest = self.check_options(f, spans, widest)
-            if widest < 0:
-                return -1
-        objs = f.objs
-        if f.out_shape is not None:
-            po = f.out
-            if f.out_shape != (T, H, D) or (D > 1 and f.out_in != 1) or not _facts.writable_cheap(objs[4]):
-                return -1
-            eo = end(po, T, f.out_st, H, f.out_sh, D, self.out_size)
-            if not distinct(T, f.out_st, H, f.out_sh, D) or not (
-                apart_all(po, eo, spans) or self.alias_v(f, spans)
-            ):
-                return -1
-            widest = max(widest, (eo - po) // self.out_size)
-        if f.ol_shape is not None:
-            pl = f.olse
-            if (
-                f.ol_shape != th
-                or not _facts.writable_cheap(objs[5])
-                or not distinct(T, f.ol_st, H, f.ol_sh, 1)
-            ):
-                return -1
-            el = end(pl, T, f.ol_st, H, f.ol_sh, 1, 4)
+        head_dim strides, prefix_rows, the options' lengths, writable outputs apart from the
+        inputs (or exactly one they may alias). False: the full checks decide."""
+        if not f.regular or f.prefix_rows < 0 or (self.features and not self.check_options(f)):
+            return False
+        objs, spans = f.objs, f.spans
+        if objs[4] is not None:
+            po, eo = f.out, f.out_end
+            if not _facts.writable_cheap(objs[4]) or not distinct(f.T, f.out_st, f.H, f.out_sh, f.D):
+                return False
+            if not (apart_all(po, eo, spans) or self.alias_v(f, spans)):
+                return False
+        if objs[5] is not None:
+            pl, el = f.olse, f.ol_end
+            if not _facts.writable_cheap(objs[5]) or not distinct(f.T, f.ol_st, f.H, f.ol_sh, 1):
+                return False
             if not (apart_all(pl, el, spans) or self.alias_s(f, spans)):
-                return -1
-            if f.out_shape is not None and not apart(pl, el, po, eo):
-                return -1
-            widest = max(widest, (el - pl) // 4)
-            spans.append((pl, el))
-        if f.out_shape is not None:
-            spans.append((po, eo))
-        if f.bscale:
-            widest = block_scale_check(f, objs[11], self.quant_group, spans, widest)
-        return widest
+                return False
+            if objs[4] is not None and not apart(pl, el, po, eo):
+                return False
+        if f.bscale:  # the per-group fp8 scales: apart from every other tensor of the call
+            spans = spans + [(f.out, f.out_end)] if objs[4] is not None else list(spans)
+            if objs[5] is not None:
+                spans.append((f.olse, f.ol_end))
+            widest = block_scale_check(f, objs[11], self.quant_group, spans, f.widest)
+            if widest < 0:
+                return False
+            f.widest = widest
+        return True
 
     def alias_v(self, f: _facts.TwoFacts, spans: list) -> bool:
         """out shares bytes with an input only as exactly v_a or v_b (same pointer, strides and
         dtype), and with nothing else."""
-        po, eo = f.out, end(f.out, f.T, f.out_st, f.H, f.out_sh, f.D, self.out_size)
+        po, eo = f.out, f.out_end
         exact = [
-            self.may_alias and po == ptr and (f.out_st, f.out_sh) == st
-            for ptr, st in ((f.va, (f.va_st, f.va_sh)), (f.vb, (f.vb_st, f.vb_sh)))
+            self.may_alias and po == p and (f.out_st, f.out_sh) == st
+            for p, st in ((f.va, (f.va_st, f.va_sh)), (f.vb, (f.vb_st, f.vb_sh)))
         ]
         return all(
             exact[i] if i < 2 else False for i, (lo, hi) in enumerate(spans) if not apart(po, eo, lo, hi)
@@ -273,32 +264,32 @@ class TwoPlan(Plan):
 
     def alias_s(self, f: _facts.TwoFacts, spans: list) -> bool:
         """out_lse shares bytes with an input only as exactly s_a or s_b."""
-        pl, el = f.olse, end(f.olse, f.T, f.ol_st, f.H, f.ol_sh, 1, 4)
+        pl, el = f.olse, f.ol_end
         st = (f.ol_st, f.ol_sh)
         exact = {2: pl == f.sa and st == (f.sa_st, f.sa_sh), 3: pl == f.sb and st == (f.sb_st, f.sb_sh)}
         return all(exact.get(i, False) for i, (lo, hi) in enumerate(spans) if not apart(pl, el, lo, hi))
 
-    def check_options(self, f: _facts.TwoFacts, spans: list, widest: int) -> int:
-        """The option tensors: lengths, unit strides; their spans join ``spans``."""
-        T, H = f.T, f.H
-        if f.a_cu:
+    def check_options(self, f: _facts.TwoFacts) -> bool:
+        """The option tensors: lengths, unit strides; their byte ranges join ``f.spans``."""
+        T, H, spans, has = f.T, f.H, f.spans, self.features
+        if "a_empty" in has:
             n = f.cu_len
             if n < 1 or f.lens_len != n - 1 or (n > 1 and f.cu_st != 1) or (n > 2 and f.lens_st != 1):
-                return -1
+                return False
             spans += [(f.a_cu, f.a_cu + n * self.idx_size), (f.a_lens, f.a_lens + (n - 1) * self.idx_size)]
-        if f.row_mask:
+        if "row_mask" in has:
             if f.mask_len != T or (T > 1 and f.mask_st != 1):
-                return -1
+                return False
             spans.append((f.row_mask, f.row_mask + T * self.mask_size))
-        if f.sinks:
+        if "sinks" in has:
             if f.sinks_len != H or (H > 1 and f.sinks_st != 1):
-                return -1
+                return False
             spans.append((f.sinks, f.sinks + 4 * H))
-        if f.out_scale:
+        if "out_scale" in has:
             if f.scale_len != 1:
-                return -1
+                return False
             spans.append((f.out_scale, f.out_scale + 4))
-        return max(widest, *((hi - lo) for lo, hi in spans[4:])) if len(spans) > 4 else widest
+        return True
 
 
 def block_scale_check(f: Any, obj: Any, group: int, spans: list, widest: int) -> int:
@@ -331,9 +322,9 @@ def _exact_two(f: _facts.TwoFacts, plan: TwoPlan) -> tuple[int, bool]:
         (f.sa, (T, H), (f.sa_st, f.sa_sh), 4),
         (f.sb, (T, H), (f.sb_st, f.sb_sh), 4),
     ]
-    if f.out_shape is not None:
+    if f.objs[4] is not None:
         tensors.append((f.out, (T, H, D), (f.out_st, f.out_sh, 1), plan.out_size))
-    if f.ol_shape is not None:
+    if f.objs[5] is not None:
         tensors.append((f.olse, (T, H), (f.ol_st, f.ol_sh), 4))
     return widest_span(tensors, T * H * max(D, 1))
 

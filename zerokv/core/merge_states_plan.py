@@ -62,6 +62,7 @@ class NPlan(Plan):
         self.group = v["quant_group"] if v["block_scale"] is not None else 0
         self.no_sinks = v["sinks"] is None
         self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
+        self.scale, self.sinks = v["scale"] is not None, v["sinks"] is not None
         self.allocate_lse = scalars[1]
         self.consts.prefix_rows = 0
 
@@ -121,11 +122,11 @@ class NPlan(Plan):
         end_s = end(ps + (N - 1) * f.s_sn * 4, T, f.s_st, H, f.s_sh, 1, 4)
         spans = [(pv, end_v), (ps, end_s)]
         widest = max((end_v - pv) // isz, (end_s - ps) // 4, T * H * D)
-        if f.sinks:
+        if self.sinks:
             if f.sinks_len != H or (H > 1 and f.sinks_st != 1):
                 return -1
             spans.append((f.sinks, f.sinks + 4 * H))
-        if f.out_scale:
+        if self.scale:
             if f.scale_len != 1:
                 return -1
             spans.append((f.out_scale, f.out_scale + 4))
