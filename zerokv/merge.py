@@ -71,7 +71,7 @@ def merge_state(
     """
     return _merge_plans.two(
         v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks,
-        out_block_scale=out_block_scale, quant_group=quant_group, scale_format=scale_format,
+        None, False, None, None, out_block_scale, quant_group, scale_format,
     )  # fmt: skip
 
 

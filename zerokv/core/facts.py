@@ -103,34 +103,33 @@ def read_two(objs: tuple, lse_ht: bool = False) -> TwoFacts | None:
 def _read_two(
     objs, torch, ht, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks, bscale=None
 ) -> TwoFacts:
+    # Straight-line on purpose (the hot path): byte ends as layout.end, alignment as
+    # layout.aligned, written out (tests/test_host_facts.py holds them to those functions).
     f = TwoFacts()
     f.objs, f.torch = objs, torch
-    end = _layout.end
     f.va = pa = v_a.data_ptr()
-    sh = v_a.shape
-    f.T, f.H, f.D = T, H, D = sh
-    th = (H, T) if ht else sh[:2]  # the LSEs' shape
-    sta0, sta1, va_in = v_a.stride()
-    f.va_st, f.va_sh = sta0, sta1
+    f.T, f.H, f.D = T, H, D = sh = v_a.shape
+    th = (H, T) if ht else (T, H)  # the LSEs' shape
+    f.va_st, f.va_sh, va_in = sta0, sta1, va_in = v_a.stride()
     f.vb = pb = v_b.data_ptr()
-    stb0, stb1, vb_in = v_b.stride()
-    f.vb_st, f.vb_sh = stb0, stb1
+    f.vb_st, f.vb_sh, vb_in = stb0, stb1, vb_in = v_b.stride()
     f.sa = psa = s_a.data_ptr()
-    ssa0, ssa1 = s_a.stride()
     if ht:
-        ssa0, ssa1 = ssa1, ssa0
+        ssa1, ssa0 = s_a.stride()
+        ssb1, ssb0 = s_b.stride()
+    else:
+        ssa0, ssa1 = s_a.stride()
+        ssb0, ssb1 = s_b.stride()
     f.sa_st, f.sa_sh = ssa0, ssa1
     f.sb = psb = s_b.data_ptr()
-    ssb0, ssb1 = s_b.stride()
-    if ht:
-        ssb0, ssb1 = ssb1, ssb0
     f.sb_st, f.sb_sh = ssb0, ssb1
     dv = v_a.dtype
     f.device = dev = v_a.get_device()
     isz = _ITEMSIZE.get(dv) or _itemsize(dv)
-    w = _layout.vec(isz)
-    st_or = sta0 | sta1 | stb0 | stb1 | ssa0 | ssa1 | ssb0 | ssb1
-    ok = _layout.aligned(pa | pb, isz, w, sta0 | sta1 | stb0 | stb1 | D)
+    w = _VECTOR_BYTES // isz
+    vst = sta0 | sta1 | stb0 | stb1
+    st_or = vst | ssa0 | ssa1 | ssb0 | ssb1
+    ok = not ((pa | pb) % _VECTOR_BYTES or (vst | D) % w)
     regular = (
         0 < T < INT32 and 0 < H < INT32 and D > 0
         and v_b.shape == sh and s_a.shape == th and s_b.shape == th and (D == 1 or va_in == vb_in == 1)
@@ -138,50 +137,67 @@ def _read_two(
     sig = [dv, v_b.dtype, s_a.dtype, s_b.dtype, dev, v_b.get_device(), s_a.get_device(), s_b.get_device()]
     widest = T * H * D
     if regular:
-        ea, eb = end(pa, T, sta0, H, sta1, D, isz), end(pb, T, stb0, H, stb1, D, isz)
-        esa, esb = end(psa, T, ssa0, H, ssa1, 1, 4), end(psb, T, ssb0, H, ssb1, 1, 4)
+        T1, H1 = T - 1, H - 1
+        ea, eb = pa + (T1 * sta0 + H1 * sta1 + D) * isz, pb + (T1 * stb0 + H1 * stb1 + D) * isz
+        esa, esb = psa + (T1 * ssa0 + H1 * ssa1 + 1) * 4, psb + (T1 * ssb0 + H1 * ssb1 + 1) * 4
         f.spans = [(pa, ea), (pb, eb), (psa, esa), (psb, esb)]
-        widest = max(widest, max(ea - pa, eb - pb) // isz, max(esa - psa, esb - psb) >> 2)
+        n = (ea - pa if ea - pa > eb - pb else eb - pb) // isz
+        if n > widest:
+            widest = n
+        n = (esa - psa if esa - psa > esb - psb else esb - psb) >> 2
+        if n > widest:
+            widest = n
     if out is None:
         f.out = f.out_st = f.out_sh = 0
         sig.append(None)
     else:
         f.out = po = out.data_ptr()
-        st0, st1, out_in = out.stride()
-        f.out_st, f.out_sh = st0, st1
+        f.out_st, f.out_sh, out_in = st0, st1, out_in = out.stride()
         st_or |= st0 | st1
         do = out.dtype
         osz = _ITEMSIZE.get(do) or _itemsize(do)
-        ok = ok and _layout.aligned(po, osz, w, st0 | st1)
+        ok = ok and not (po % (w * osz) or (st0 | st1) % w)
         sig += (do, out.get_device())
         regular = regular and out.shape == sh and (D == 1 or out_in == 1)
         if regular:
-            f.out_end = eo = end(po, T, st0, H, st1, D, osz)
-            widest = max(widest, (eo - po) // osz)
+            f.out_end = eo = po + ((T - 1) * st0 + (H - 1) * st1 + D) * osz
+            n = (eo - po) // osz
+            if n > widest:
+                widest = n
     if out_lse is None:
         f.olse = f.ol_st = f.ol_sh = 0
         sig.append(None)
     else:
         f.olse = pl = out_lse.data_ptr()
-        sl0, sl1 = out_lse.stride()
         if ht:
-            sl0, sl1 = sl1, sl0
+            sl1, sl0 = out_lse.stride()
+        else:
+            sl0, sl1 = out_lse.stride()
         f.ol_st, f.ol_sh = sl0, sl1
         st_or |= sl0 | sl1
         sig += (out_lse.dtype, out_lse.get_device())
         regular = regular and out_lse.shape == th
         if regular:
-            f.ol_end = el = end(pl, T, sl0, H, sl1, 1, 4)
-            widest = max(widest, (el - pl) >> 2)
+            f.ol_end = el = pl + ((T - 1) * sl0 + (H - 1) * sl1 + 1) * 4
+            n = (el - pl) >> 2
+            if n > widest:
+                widest = n
     f.a_cu = f.a_lens = f.a_batch = f.row_mask = f.sinks = f.out_scale = 0
     if cu is not None or lens is not None or mask is not None or scale is not None or sinks is not None:
         st_or |= _read_options(f, sig, cu, lens, mask, scale, sinks)
-    bs_ok = _read_block_scale(f, sig, bscale)
-    f.regular = regular and st_or >= 0 and bs_ok
+    if bscale is None:
+        f.bscale = f.bs_st = f.bs_sg = 0
+        f.bs_shape = None
+        f.regular = regular and st_or >= 0
+    else:
+        f.regular = _read_block_scale(f, sig, bscale) and regular and st_or >= 0
     f.widest, f.strides_or = widest, st_or
     sig += (ok, torch)
     f.sig = tuple(sig)
     return f
+
+
+_VECTOR_BYTES = _layout.VECTOR_BYTES
 
 
 def _read_block_scale(f: Any, sig: list, bscale: Any) -> bool:

@@ -22,6 +22,7 @@ from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
 from .layout import INT32, apart, apart_all, distinct, end, extent, vec
+from .tensors import torch_tensor_type
 
 _FORM_CACHE_LIMIT = 4096  # distinct (T, H, D, layout) entries a plan keeps; past it, it starts again
 
@@ -74,18 +75,21 @@ class Plan:
             return self.empty(shape, dtype=self.t_f32 if lse else self.t_out, device=self.alloc_device)
         return _outputs.new(f.objs[0], False, self.device, shape, "float32" if lse else self.out_dtype)
 
+    def new_form(self, key: tuple, build: Any) -> tuple:
+        """The cache entry ``(form, launcher, binder, adapt)`` of ``key``, built on its first call."""
+        form, facts_cls, adapt = build(key)
+        launcher = _plans.launcher(form.kernel, form.targs, self.device)
+        entry = (form, launcher, _binder(form.kernel, facts_cls), adapt)
+        if len(self.forms) >= _FORM_CACHE_LIMIT:
+            self.forms.clear()
+        self.forms[key] = entry
+        return entry
+
     def launch(self, key: tuple, build: Any, f: Any) -> None:
         """Launch the form of ``key`` (the facts that choose it), built by ``build(key)`` ->
         ``(form, facts class, adapt)`` on its first call; ``adapt``: None, or turns ``f`` into
         the facts the form's kernel reads."""
-        entry = self.forms.get(key)
-        if entry is None:
-            form, facts_cls, adapt = build(key)
-            launcher = _plans.launcher(form.kernel, form.targs, self.device)
-            entry = (form, launcher, _binder(form.kernel, facts_cls), adapt)
-            if len(self.forms) >= _FORM_CACHE_LIMIT:
-                self.forms.clear()
-            self.forms[key] = entry
+        entry = self.forms.get(key) or self.new_form(key, build)
         form, launcher, bind, adapt = entry
         if adapt is not None:
             f = adapt(f)
@@ -121,11 +125,13 @@ def two(
     f = _facts.read_two(objs, lse_ht is not None)
     if f is None or f.device < 0:
         return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
-    key = (scalars, f.sig)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans.lookup(key, lambda: TwoPlan(f, scalars, prefix_rows, names, lse_ht))
+    plan = _plans.get((scalars, f.sig)) or _new_plan(f, scalars, prefix_rows, names, lse_ht)
     return plan(f, prefix_rows, names, scalars, lse_ht)
+
+
+def _new_plan(f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: Any, lse_ht: Any) -> TwoPlan:
+    """The plan of a signature met for the first time (built once, under the plans' lock)."""
+    return _plans.lookup((scalars, f.sig), lambda: TwoPlan(f, scalars, prefix_rows, names, lse_ht))
 
 
 def _th_views(objs: tuple, lse_ht: Any, names: dict | None) -> tuple:
@@ -183,6 +189,7 @@ class TwoPlan(Plan):
         self.mask_size = 1
         self.allocate_lse = scalars[3]
         self.may_alias = self.in_dtype == self.out_dtype  # an exact alias of v_a / v_b
+        self.tensor_type = torch_tensor_type()
 
     def __call__(self, f: _facts.TwoFacts, prefix_rows: Any, names: dict | None, scalars: tuple, lse_ht: Any):
         T, H, D = f.T, f.H, f.D
@@ -206,9 +213,16 @@ class TwoPlan(Plan):
             f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else ptr(out_lse), H, 1
         if T * H == 0:
             return out, out_lse
-        inplace = f.olse != 0 and (f.olse == f.sa or f.olse == f.sb)
-        tiles = f.ol_st == 1 and f.ol_sh != 1 if f.olse else f.sa_st == 1 and f.sa_sh != 1
-        self.launch((T, H, D, inplace, widest < INT32, s32, tiles), self._form, f)
+        pl = f.olse
+        if pl:
+            inplace, tiles = pl == f.sa or pl == f.sb, f.ol_st == 1 and f.ol_sh != 1
+        else:
+            inplace, tiles = False, f.sa_st == 1 and f.sa_sh != 1
+        key = (T, H, D, inplace, widest < INT32, s32, tiles)
+        entry = self.forms.get(key) or self.new_form(key, self._form)
+        entry[1].launch(
+            entry[0].grid, entry[0].grid_y, self.stream(self.device), entry[2], f, entry[0], self.consts
+        )
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
@@ -225,19 +239,35 @@ class TwoPlan(Plan):
         inputs (or exactly one they may alias). False: the full checks decide."""
         if not f.regular or f.prefix_rows < 0 or (self.features and not self.check_options(f)):
             return False
-        objs, spans = f.objs, f.spans
-        if objs[4] is not None:
-            po, eo = f.out, f.out_end
-            if not _facts.writable_cheap(objs[4]) or not distinct(f.T, f.out_st, f.H, f.out_sh, f.D):
+        objs, spans, tt, T, H = f.objs, f.spans, self.tensor_type, f.T, f.H
+        o = objs[4]
+        if o is not None:
+            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
+                return False  # writable_cheap's torch case written out first (the common output)
+            po, eo, st0, st1, D = f.out, f.out_end, f.out_st, f.out_sh, f.D
+            if not (
+                (H <= 1 or st1 >= D) and (T <= 1 or st0 >= (H - 1) * st1 + D) or distinct(T, st0, H, st1, D)
+            ):  # distinct's row-major case written out first
                 return False
-            if not (apart_all(po, eo, spans) or self.alias_v(f, spans)):
+            for lo, hi in spans:  # apart_all, written out
+                if lo < eo and po < hi:
+                    if not self.alias_v(f, spans):
+                        return False
+                    break
+        o = objs[5]
+        if o is not None:
+            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
                 return False
-        if objs[5] is not None:
-            pl, el = f.olse, f.ol_end
-            if not _facts.writable_cheap(objs[5]) or not distinct(f.T, f.ol_st, f.H, f.ol_sh, 1):
+            pl, el, st0, st1 = f.olse, f.ol_end, f.ol_st, f.ol_sh
+            if not (
+                (H <= 1 or st1 >= 1) and (T <= 1 or st0 >= (H - 1) * st1 + 1) or distinct(T, st0, H, st1, 1)
+            ):
                 return False
-            if not (apart_all(pl, el, spans) or self.alias_s(f, spans)):
-                return False
+            for lo, hi in spans:
+                if lo < el and pl < hi:
+                    if not self.alias_s(f, spans):
+                        return False
+                    break
             if objs[4] is not None and not apart(pl, el, po, eo):
                 return False
         if f.bscale:  # the per-group fp8 scales: apart from every other tensor of the call
