@@ -13,8 +13,9 @@ from . import forms as _forms
 from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
-from .layout import INT32, apart, distinct, end
+from .layout import INT32, distinct
 from .merge_plans import Plan, block_scale_check, host_only, ptr, widest_span
+from .tensors import torch_tensor_type
 
 
 def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
@@ -63,6 +64,7 @@ class NPlan(Plan):
         self.no_sinks = v["sinks"] is None
         self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
         self.scale, self.sinks = v["scale"] is not None, v["sinks"] is not None
+        self.tensor_type = torch_tensor_type()
         self.allocate_lse = scalars[1]
         self.consts.prefix_rows = 0
 
@@ -72,7 +74,7 @@ class NPlan(Plan):
             _merge_checks.n(f.objs, scalars[0], _quant(scalars))
             widest, s32 = _exact_n(f, self)
         else:
-            s32 = (f.v_st | f.v_sh | f.s_st | f.s_sh | f.out_st | f.out_sh | f.ol_st | f.ol_sh) < INT32
+            s32 = f.strides_or < INT32
         N, T, H, D = f.N, f.T, f.H, f.D
         out, out_lse = f.objs[2], f.objs[3]
         if out is None:
@@ -111,17 +113,22 @@ class NPlan(Plan):
         return form, _facts.NFacts, None
 
     def check(self, f: _facts.NFacts) -> int:
-        """As ``TwoPlan.check``; the outputs may not overlap the inputs at all."""
+        """As ``TwoPlan.check``; the outputs may not overlap the inputs at all (byte ends as
+        layout.end and the apart tests written out)."""
         N, T, H, D = f.N, f.T, f.H, f.D
-        if f.neg or not (N and T and H and D) or max(N, T, H) >= INT32 or f.s_shape != (N, T, H):
+        if f.neg or not (N and T and H and D) or N >= INT32 or T >= INT32 or H >= INT32:
             return -1
-        if D > 1 and f.v_in != 1:
+        if f.s_shape != (N, T, H) or (D > 1 and f.v_in != 1):
             return -1
-        isz, pv, ps = self.in_size, f.v, f.s
-        end_v = end(pv + (N - 1) * f.v_sn * isz, T, f.v_st, H, f.v_sh, D, isz)
-        end_s = end(ps + (N - 1) * f.s_sn * 4, T, f.s_st, H, f.s_sh, 1, 4)
+        isz, pv, ps, T1, H1 = self.in_size, f.v, f.s, T - 1, H - 1
+        end_v = pv + ((N - 1) * f.v_sn + T1 * f.v_st + H1 * f.v_sh + D) * isz
+        end_s = ps + ((N - 1) * f.s_sn + T1 * f.s_st + H1 * f.s_sh + 1) * 4
         spans = [(pv, end_v), (ps, end_s)]
-        widest = max((end_v - pv) // isz, (end_s - ps) // 4, T * H * D)
+        widest = T * H * D
+        n = (end_v - pv) // isz
+        widest = n if n > widest else widest
+        n = (end_s - ps) >> 2
+        widest = n if n > widest else widest
         if self.sinks:
             if f.sinks_len != H or (H > 1 and f.sinks_st != 1):
                 return -1
@@ -130,30 +137,36 @@ class NPlan(Plan):
             if f.scale_len != 1:
                 return -1
             spans.append((f.out_scale, f.out_scale + 4))
-        objs = f.objs
+        objs, tt = f.objs, self.tensor_type
         if f.out_shape is not None:
-            po = f.out
-            if f.out_shape != (T, H, D) or (D > 1 and f.out_in != 1) or not _facts.writable_cheap(objs[2]):
+            po, o, st0, st1 = f.out, objs[2], f.out_st, f.out_sh
+            if f.out_shape != (T, H, D) or (D > 1 and f.out_in != 1):
                 return -1
-            if not distinct(T, f.out_st, H, f.out_sh, D):
+            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
                 return -1
-            end_o = end(po, T, f.out_st, H, f.out_sh, D, self.out_size)
-            if not all(apart(po, end_o, lo, hi) for lo, hi in spans):
+            if not ((H <= 1 or st1 >= D) and (T <= 1 or st0 >= H1 * st1 + D) or distinct(T, st0, H, st1, D)):
                 return -1
+            end_o = po + (T1 * st0 + H1 * st1 + D) * self.out_size
+            for lo, hi in spans:
+                if lo < end_o and po < hi:
+                    return -1
             spans.append((po, end_o))
-            widest = max(widest, (end_o - po) // self.out_size)
+            n = (end_o - po) // self.out_size
+            widest = n if n > widest else widest
         if f.ol_shape is not None:
-            pl = f.olse
-            if (
-                f.ol_shape != (T, H)
-                or not distinct(T, f.ol_st, H, f.ol_sh, 1)
-                or not _facts.writable_cheap(objs[3])
-            ):
+            pl, o, st0, st1 = f.olse, objs[3], f.ol_st, f.ol_sh
+            if f.ol_shape != (T, H):
                 return -1
-            end_l = end(pl, T, f.ol_st, H, f.ol_sh, 1, 4)
-            if not all(apart(pl, end_l, lo, hi) for lo, hi in spans):
+            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
                 return -1
-            widest = max(widest, (end_l - pl) // 4)
+            if not ((H <= 1 or st1 >= 1) and (T <= 1 or st0 >= H1 * st1 + 1) or distinct(T, st0, H, st1, 1)):
+                return -1
+            end_l = pl + (T1 * st0 + H1 * st1 + 1) * 4
+            for lo, hi in spans:
+                if lo < end_l and pl < hi:
+                    return -1
+            n = (end_l - pl) >> 2
+            widest = n if n > widest else widest
             spans.append((pl, end_l))
         if f.bscale:
             widest = block_scale_check(f, objs[6], self.group, spans, widest)
