@@ -113,6 +113,8 @@ def two(
     messages)."""
     if a_empty is None:
         cu = lens = None
+    elif type(a_empty) is tuple and len(a_empty) == 2:
+        cu, lens = a_empty
     else:
         cu, lens = _checks.pair(a_empty, names.get("a_empty", "a_empty") if names else "a_empty")
     objs = (v_a, s_a, v_b, s_b, out, out_lse, cu, lens, row_mask, out_scale, sinks)
@@ -181,6 +183,7 @@ class TwoPlan(Plan):
         self._setup(v, v["va"].dtype, v["out"], f.sig[-2], f.torch)
         given = (v["cu"], v["mask"], v["scale"], v["sinks"], v["block_scale"])
         self.features = frozenset(n for n, x in zip(_FEATURES, given, strict=True) if x is not None)
+        self.options = tuple(n in self.features for n in ("a_empty", "row_mask", "sinks", "out_scale"))
         self.consts.suffix_verbatim = int(bool(scalars[2]))
         self.consts.a_is64 = int(v["cu"] is not None and v["cu"].dtype == "int64")
         self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
@@ -301,21 +304,23 @@ class TwoPlan(Plan):
 
     def check_options(self, f: _facts.TwoFacts) -> bool:
         """The option tensors: lengths, unit strides; their byte ranges join ``f.spans``."""
-        T, H, spans, has = f.T, f.H, f.spans, self.features
-        if "a_empty" in has:
+        T, H, spans = f.T, f.H, f.spans
+        a_empty, row_mask, sinks, out_scale = self.options
+        if a_empty:
             n = f.cu_len
             if n < 1 or f.lens_len != n - 1 or (n > 1 and f.cu_st != 1) or (n > 2 and f.lens_st != 1):
                 return False
-            spans += [(f.a_cu, f.a_cu + n * self.idx_size), (f.a_lens, f.a_lens + (n - 1) * self.idx_size)]
-        if "row_mask" in has:
+            pc, pn, isz = f.a_cu, f.a_lens, self.idx_size
+            spans += ((pc, pc + n * isz), (pn, pn + (n - 1) * isz))
+        if row_mask:
             if f.mask_len != T or (T > 1 and f.mask_st != 1):
                 return False
             spans.append((f.row_mask, f.row_mask + T * self.mask_size))
-        if "sinks" in has:
+        if sinks:
             if f.sinks_len != H or (H > 1 and f.sinks_st != 1):
                 return False
             spans.append((f.sinks, f.sinks + 4 * H))
-        if "out_scale" in has:
+        if out_scale:
             if f.scale_len != 1:
                 return False
             spans.append((f.out_scale, f.out_scale + 4))
