@@ -222,10 +222,8 @@ class TwoPlan(Plan):
         else:
             inplace, tiles = False, f.sa_st == 1 and f.sa_sh != 1
         key = (T, H, D, inplace, widest < INT32, s32, tiles)
-        entry = self.forms.get(key) or self.new_form(key, self._form)
-        entry[1].launch(
-            entry[0].grid, entry[0].grid_y, self.stream(self.device), entry[2], f, entry[0], self.consts
-        )
+        form, launcher, bind, _ = self.forms.get(key) or self.new_form(key, self._form)
+        launcher.launch(form.grid, form.grid_y, self.stream(self.device), bind, f, form, self.consts)
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
