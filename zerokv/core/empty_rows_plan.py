@@ -63,6 +63,9 @@ def validate(objs: tuple, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
     return {"out": o, "lse": s, "cu": c, "lens": ln, "device": device}
 
 
+_GRID_CACHE_LIMIT = 4096  # distinct (T, H, D) a plan keeps; past it, it starts again
+
+
 class Consts:
     __slots__ = ("q_is64",)
 
@@ -87,6 +90,7 @@ class Plan:
         self.out_size = _dtypes.itemsize(o.dtype)
         self.stream = _device.torch_stream if f.torch else _device.cupy_stream
         self.tensor_type = torch_tensor_type()
+        self.grids: dict = {}  # (T, H, D) -> the grid of that size
 
     def __call__(self, f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> None:
         if not self.check(f):
@@ -94,7 +98,11 @@ class Plan:
         T, H, D = f.T, f.H, f.D
         if f.batch == 0 or T * H == 0:
             return
-        grid = _forms.empty_rows_grid(T, H, D, self.vec, self.dev)
+        grid = self.grids.get((T, H, D))
+        if grid is None:
+            if len(self.grids) >= _GRID_CACHE_LIMIT:
+                self.grids.clear()
+            grid = self.grids[T, H, D] = _forms.empty_rows_grid(T, H, D, self.vec, self.dev)
         self.launcher.launch(grid, 1, self.stream(self.device), self.bind, f, self.consts)
 
     def check(self, f: _facts.RowsFacts) -> bool:

@@ -76,7 +76,9 @@ class Plan:
         return _outputs.new(f.objs[0], False, self.device, shape, "float32" if lse else self.out_dtype)
 
     def new_form(self, key: tuple, build: Any) -> tuple:
-        """The cache entry ``(form, launcher, binder, adapt)`` of ``key``, built on its first call."""
+        """The cache entry ``(form, launcher, binder, adapt)`` of ``key`` (the facts that choose
+        the form), from ``build(key)`` -> ``(form, facts class, adapt)`` on its first call;
+        ``adapt``: None, or turns the call's facts into those the form's kernel reads."""
         form, facts_cls, adapt = build(key)
         launcher = _plans.launcher(form.kernel, form.targs, self.device)
         entry = (form, launcher, _binder(form.kernel, facts_cls), adapt)
@@ -84,16 +86,6 @@ class Plan:
             self.forms.clear()
         self.forms[key] = entry
         return entry
-
-    def launch(self, key: tuple, build: Any, f: Any) -> None:
-        """Launch the form of ``key`` (the facts that choose it), built by ``build(key)`` ->
-        ``(form, facts class, adapt)`` on its first call; ``adapt``: None, or turns ``f`` into
-        the facts the form's kernel reads."""
-        entry = self.forms.get(key) or self.new_form(key, build)
-        form, launcher, bind, adapt = entry
-        if adapt is not None:
-            f = adapt(f)
-        launcher.launch(form.grid, form.grid_y, self.stream(self.device), bind, f, form, self.consts)
 
 
 # --- two-way -----------------------------------------------------------------------------------

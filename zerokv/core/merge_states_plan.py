@@ -24,11 +24,11 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     f = _facts.read_n(objs)
     if f is None or f.device < 0:
         return _cpu_n(objs, scalars)
-    key = ("n", scalars, f.sig)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans.lookup(key, lambda: NPlan(f, scalars))
-    return plan(f, scalars)
+    return (_plans.get(("n", scalars, f.sig)) or _new_plan(f, scalars))(f, scalars)
+
+
+def _new_plan(f: _facts.NFacts, scalars: tuple) -> NPlan:
+    return _plans.lookup(("n", scalars, f.sig), lambda: NPlan(f, scalars))
 
 
 def _quant(scalars: tuple) -> tuple:
@@ -86,7 +86,17 @@ class NPlan(Plan):
         if T * H == 0:
             return out, out_lse
         tiles = f.ol_st == 1 and f.ol_sh != 1 if f.olse else f.s_st == 1 and f.s_sh != 1
-        self.launch((N, T, H, D, widest < INT32, s32, tiles), self._form, f)
+        key = (N, T, H, D, widest < INT32, s32, tiles)
+        form, launcher, bind, adapt = self.forms.get(key) or self.new_form(key, self._form)
+        launcher.launch(
+            form.grid,
+            form.grid_y,
+            self.stream(self.device),
+            bind,
+            f if adapt is None else adapt(f),
+            form,
+            self.consts,
+        )
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
