@@ -136,17 +136,19 @@ def _read_two(
     )  # fmt: skip
     sig = [dv, v_b.dtype, s_a.dtype, s_b.dtype, dev, v_b.get_device(), s_a.get_device(), s_b.get_device()]
     widest = T * H * D
-    if regular:
+    if regular:  # each span in elements first (small ints), then its byte end
         T1, H1 = T - 1, H - 1
-        ea, eb = pa + (T1 * sta0 + H1 * sta1 + D) * isz, pb + (T1 * stb0 + H1 * stb1 + D) * isz
-        esa, esb = psa + (T1 * ssa0 + H1 * ssa1 + 1) * 4, psb + (T1 * ssb0 + H1 * ssb1 + 1) * 4
-        f.spans = [(pa, ea), (pb, eb), (psa, esa), (psb, esb)]
-        n = (ea - pa if ea - pa > eb - pb else eb - pb) // isz
-        if n > widest:
-            widest = n
-        n = (esa - psa if esa - psa > esb - psb else esb - psb) >> 2
-        if n > widest:
-            widest = n
+        xa, xb = T1 * sta0 + H1 * sta1 + D, T1 * stb0 + H1 * stb1 + D
+        xsa, xsb = T1 * ssa0 + H1 * ssa1 + 1, T1 * ssb0 + H1 * ssb1 + 1
+        f.spans = [(pa, pa + xa * isz), (pb, pb + xb * isz), (psa, psa + 4 * xsa), (psb, psb + 4 * xsb)]
+        if xa > widest:
+            widest = xa
+        if xb > widest:
+            widest = xb
+        if xsa > widest:
+            widest = xsa
+        if xsb > widest:
+            widest = xsb
     if out is None:
         f.out = f.out_st = f.out_sh = 0
         sig.append(None)
@@ -160,8 +162,8 @@ def _read_two(
         sig += (do, out.get_device())
         regular = regular and out.shape == sh and (D == 1 or out_in == 1)
         if regular:
-            f.out_end = eo = po + ((T - 1) * st0 + (H - 1) * st1 + D) * osz
-            n = (eo - po) // osz
+            n = (T - 1) * st0 + (H - 1) * st1 + D
+            f.out_end = po + n * osz
             if n > widest:
                 widest = n
     if out_lse is None:
@@ -178,8 +180,8 @@ def _read_two(
         sig += (out_lse.dtype, out_lse.get_device())
         regular = regular and out_lse.shape == th
         if regular:
-            f.ol_end = el = pl + ((T - 1) * sl0 + (H - 1) * sl1 + 1) * 4
-            n = (el - pl) >> 2
+            n = (T - 1) * sl0 + (H - 1) * sl1 + 1
+            f.ol_end = pl + 4 * n
             if n > widest:
                 widest = n
     f.a_cu = f.a_lens = f.a_batch = f.row_mask = f.sinks = f.out_scale = 0
