@@ -5,7 +5,7 @@ tqdm are used when installed)::
 
     PYTHONPATH=. python -m bench                       # everything (a few minutes on an H200)
     PYTHONPATH=. python -m bench --quick               # a representative part (about a minute)
-    PYTHONPATH=. python -m bench --only merge,host     # parts: merge, empty_rows, host, compile, cp
+    PYTHONPATH=. python -m bench --only merge,host     # parts: merge, options, empty_rows, host, compile, cp
     PYTHONPATH=. python -m bench --quick --out DIR     # results elsewhere (default: bench/results)
     PYTHONPATH=. python -m bench --dry-run             # the whole pipeline on the CPU, synthetic times
 
@@ -14,6 +14,11 @@ Parts:
 * merge: ``merge_state`` over T x H x D, bf16 and fp16, both LSE layouts, beside a CUDA merge
   in vLLM's design, a Triton merge, torch eager (and FlashInfer when importable), with
   zerokv / best baseline per shape; ``merge_states`` N = 2, 4, 8.
+* options: each option of ``merge_state`` (``a_empty`` with 25 % and 50 % empty requests,
+  ``sinks``, a row mask, vLLM's verbatim suffix, ``prefix_rows``, fp8 with ``out_scale``,
+  per-group fp8 in both scale formats) beside the plain merge of the same tensors and beside
+  fixup + merge; per-group fp8 beside a Triton merge of vLLM's design; the seed pipeline
+  (fused ``a_empty`` against vLLM's mask + ``masked_fill_`` + merge). bf16, H = 128, D = 128.
 * empty_rows: ``fixup_zero_kv_rows`` and ``mask_empty_context`` at 0 to 32768 empty rows
   beside torch eager; an empty kernel launch.
 * host: host µs per call of every op and adapter beside ``torch.mul(a, b, out=c)`` and the
@@ -63,6 +68,7 @@ from typing import Any
 PACKAGE = __package__ or "bench"
 PARTS = {
     "merge": "bench_merge",
+    "options": "bench_merge",
     "empty_rows": "bench_empty_rows",
     "host": "bench_host",
     "compile": "bench_host",

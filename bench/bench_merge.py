@@ -17,6 +17,9 @@ from functools import partial
 from typing import Any
 
 import zerokv
+import zerokv.core.checks
+import zerokv.core.dtypes
+import zerokv.core.kernels
 from zerokv import reference
 
 from . import baselines
@@ -74,6 +77,8 @@ def states_grid(mode: str) -> list[tuple[int, int, int, int]]:
 
 
 def tasks(b: Bench, part: str) -> list[Task]:
+    if part == "options":
+        return options_tasks(b, part)
     out = [
         Task(part, f"merge_state {dt} T={T} H={H} D={D}", partial(run_merge_state, dt, T, H, D))
         for dt, T, H, D in merge_grid(b.mode)
@@ -192,3 +197,199 @@ def run_merge_states(N: int, T: int, H: int, D: int, b: Bench) -> list[Row]:
         impls.append((EAGER, baselines.eager_merge_states))
     entries = [Entry(name, fn, sets, check, {"N": N}) for name, fn in impls]
     return b.measure("merge_states", entries, nbytes, **fields)
+
+
+# --- merge_state's options beside the plain merge (``--only options``) --------------------------
+
+OPTIONS_T = (256, 2048, 8192)  # quick; full: the merge grid's T from 256 on
+OPTIONS_H, OPTIONS_D = 128, 128
+QUANT_GROUP = 128
+
+
+def options_grid(mode: str) -> list[int]:
+    if mode == "dry":
+        return [40]
+    return list(OPTIONS_T) if mode == "quick" else [T for T in T_GRID if T >= 256]
+
+
+def options_tasks(b: Bench, part: str) -> list[Task]:
+    out = [
+        Task(part, f"merge_state options bf16 T={T}", partial(run_options, T)) for T in options_grid(b.mode)
+    ]
+    out += [
+        Task(part, f"seed pipeline bf16 T={T}", partial(run_seed, T))
+        for T in options_grid(b.mode)
+        if T <= 8192
+    ]
+    return out
+
+
+def _requests(torch: Any, T: int, frac: float, dev: Any, seed: int) -> tuple[Any, Any, Any]:
+    """``(cu_seqlens_q, kv_lens, cu_seqlens_kv)`` int32 of equal requests (T / 16 of them up to
+    64, at least 1), a fraction ``frac`` of them with no context."""
+    B = max(1, min(64, T // 16))
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.linspace(0, T, B + 1).round().to(torch.int32)
+    kv = torch.randint(1, 4096, (B,), generator=g, dtype=torch.int32)
+    kv[torch.randperm(B, generator=g)[: max(1, round(frac * B))]] = 0
+    ctx = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(kv, 0).to(torch.int32)])
+    return cu.to(dev), kv.to(dev), ctx.to(dev)
+
+
+def run_options(T: int, b: Bench) -> list[Row]:
+    """Each option of merge_state beside the plain merge of the same tensors (bf16, LSE [T, H]),
+    and beside the two launches it replaces (fixup + plain merge for ``a_empty``). Bytes are the
+    plain merge's for every row, so that % of copy compares times."""
+    torch, dev = b.torch, b.device
+    H, D = OPTIONS_H, OPTIONS_D
+    nbytes = merge_bytes("bf16", T, H, D)
+    K = b.n_sets(nbytes)
+    fields = {"dtype": "bf16", "T": T, "H": H, "D": D}
+    if skipped := _skip(b, "merge_options", 2 * K * nbytes, **fields):
+        return skipped
+    bf = torch.bfloat16
+    va = torch.randn(K, T, H, D, device=dev, dtype=bf)
+    vb = torch.randn(K, T, H, D, device=dev, dtype=bf)
+    sa = torch.randn(K, T, H, device=dev) * 3
+    sb = torch.randn(K, T, H, device=dev) * 3
+    out = torch.empty(K, T, H, D, device=dev, dtype=bf)
+    out8 = torch.empty(K, T, H, D, device=dev, dtype=torch.float8_e4m3fn)
+    lse = torch.empty(K, T, H, device=dev)
+    scales = torch.empty(K, T, H * D // QUANT_GROUP, device=dev)
+    reqs = {f: _requests(torch, T, f, dev, seed=T) for f in (0.25, 0.5)}
+    sinks = torch.randn(H, device=dev)
+    mask = torch.rand(T, device=dev) < 0.9
+    scale = torch.tensor([0.02], device=dev)
+    sets = Sets(K, lambda k: (va[k], sa[k], vb[k], sb[k], out[k], lse[k], out8[k], scales[k]))
+    merge_two = _merge_two()
+
+    def plain(va, sa, vb, sb, o, ol, o8, bs):
+        return zerokv.merge_state(va, sa, vb, sb, out=o, out_lse=ol)
+
+    def a_empty(f):
+        cu, kv, _ = reqs[f]
+        return lambda va, sa, vb, sb, o, ol, o8, bs: zerokv.merge_state(
+            va, sa, vb, sb, out=o, out_lse=ol, a_empty=(cu, kv)
+        )
+
+    def fixup_then_plain(f):
+        cu, kv, _ = reqs[f]
+
+        def call(va, sa, vb, sb, o, ol, o8, bs):
+            zerokv.fixup_zero_kv_rows(va, sa, kv, cu)
+            return zerokv.merge_state(va, sa, vb, sb, out=o, out_lse=ol)
+
+        return call
+
+    def skip(f):
+        cu, kv, _ = reqs[f]
+        return lambda va, sa, vb, sb, o, ol, o8, bs: _a_empty_skip(va, sa, vb, sb, o, ol, cu, kv)
+
+    def group_fp8(fmt):
+        return lambda va, sa, vb, sb, o, ol, o8, bs: zerokv.merge_state(
+            va, sa, vb, sb, out=o8, out_lse=ol, out_block_scale=bs, quant_group=QUANT_GROUP, scale_format=fmt
+        )
+
+    def triton_group(ue8m0):
+        return lambda va, sa, vb, sb, o, ol, o8, bs: baselines.triton_group_fp8_merge(
+            va, sa, vb, sb, o8, ol, bs, QUANT_GROUP, ue8m0
+        )
+
+    impls: list[tuple[str, Any, dict]] = [
+        (ZEROKV, plain, {"option": "none"}),
+        (ZEROKV, a_empty(0.25), {"option": "a_empty", "empty": 0.25}),
+        (ZEROKV, a_empty(0.5), {"option": "a_empty", "empty": 0.5}),
+        ("zerokv fixup + merge", fixup_then_plain(0.25), {"option": "a_empty", "empty": 0.25}),
+        ("zerokv fixup + merge", fixup_then_plain(0.5), {"option": "a_empty", "empty": 0.5}),
+        (ZEROKV, lambda va, sa, vb, sb, o, ol, *_: zerokv.merge_state(va, sa, vb, sb, out=o, out_lse=ol, sinks=sinks),
+         {"option": "sinks"}),
+        (ZEROKV, lambda va, sa, vb, sb, o, ol, *_: merge_two(va, sa, vb, sb, o, ol, row_mask=mask),
+         {"option": "row_mask"}),
+        (ZEROKV, lambda va, sa, vb, sb, o, ol, *_: merge_two(
+            va, sa, vb, sb, o, ol, prefix_rows=T // 2, suffix_verbatim=True), {"option": "suffix_verbatim"}),
+        (ZEROKV, lambda va, sa, vb, sb, o, ol, *_: zerokv.merge_state(
+            va, sa, vb, sb, out=o, out_lse=ol, prefix_rows=T // 2), {"option": "prefix_rows"}),
+        (ZEROKV, lambda va, sa, vb, sb, o, ol, o8, bs: zerokv.merge_state(
+            va, sa, vb, sb, out=o8, out_lse=ol, out_scale=scale), {"option": "out_scale"}),
+        (ZEROKV, group_fp8("float32"), {"option": "group_fp8", "scale_format": "float32"}),
+        (ZEROKV, group_fp8("ue8m0"), {"option": "group_fp8", "scale_format": "ue8m0"}),
+    ]  # fmt: skip
+    if not b.dry:  # a direct launch: GPU tensors only
+        for f in (0.25, 0.5):
+            impls.append(("zerokv, v_a after the search", skip(f), {"option": "a_empty", "empty": f}))
+    if baselines.triton_runs(b.dry):
+        impls.append((TRITON, triton_group(False), {"option": "group_fp8", "scale_format": "float32"}))
+        impls.append((TRITON, triton_group(True), {"option": "group_fp8", "scale_format": "ue8m0"}))
+    entries = [Entry(name, fn, sets, None, params) for name, fn, params in impls]
+    return b.measure("merge_options", entries, nbytes, **fields)
+
+
+def run_seed(T: int, b: Bench) -> list[Row]:
+    """The seeds' problem for one chunk: empty-context requests and the merge. zerokv's fused
+    merge (``a_empty``) beside vLLM's path: the LSE mask (a Triton kernel of vLLM's design), the
+    output's ``masked_fill_`` and the vLLM-design CUDA merge; LSE laid [H, T] for both."""
+    torch, dev = b.torch, b.device
+    H, D = OPTIONS_H, OPTIONS_D
+    nbytes = merge_bytes("bf16", T, H, D)
+    K = b.n_sets(nbytes)
+    fields = {"dtype": "bf16", "T": T, "H": H, "D": D}
+    if skipped := _skip(b, "seed_pipeline", 2 * K * nbytes, **fields):
+        return skipped
+    bf = torch.bfloat16
+    va = torch.randn(K, T, H, D, device=dev, dtype=bf)
+    vb = torch.randn(K, T, H, D, device=dev, dtype=bf)
+    sa = torch.randn(K, H, T, device=dev) * 3
+    sb = torch.randn(K, H, T, device=dev) * 3
+    out = torch.empty(K, T, H, D, device=dev, dtype=bf)
+    lse = torch.empty(K, H, T, device=dev)
+    row_mask = torch.empty(T, device=dev, dtype=torch.bool)
+    sets = Sets(K, lambda k: (va[k], sa[k].T, vb[k], sb[k].T, out[k], lse[k].T))
+    entries = []
+    for f in (0.25, 0.5):
+        cu, kv, ctx = _requests(torch, T, f, dev, seed=T + 1)
+
+        def fused(va, sa, vb, sb, o, ol, cu=cu, kv=kv):
+            return zerokv.merge_state(va, sa, vb, sb, out=o, out_lse=ol, a_empty=(cu, kv))
+
+        def vllm(va, sa, vb, sb, o, ol, cu=cu, ctx=ctx):
+            return baselines.vllm_seed_pipeline(va, sa, vb, sb, o, ol, cu, ctx, row_mask)
+
+        entries.append(Entry(ZEROKV, fused, sets, None, {"empty": f, "layout": "HT"}))
+        if not b.dry and baselines.triton is not None:
+            entries.append(
+                Entry("vLLM mask + masked_fill_ + merge", vllm, sets, None, {"empty": f, "layout": "HT"})
+            )
+    return b.measure("seed_pipeline", entries, nbytes, **fields)
+
+
+def _a_empty_skip(va: Any, sa: Any, vb: Any, sb: Any, o: Any, ol: Any, cu: Any, kv: Any) -> Any:
+    """The fused a_empty merge in its F_A_SKIP variant (v_a loaded after the request search, only
+    for rows that use it), launched through the library's form, binder and launcher: the
+    comparison behind merge.cu's choice of loading v_a with v_b."""
+    from zerokv.core import device, facts, forms, merge_plans, plans
+
+    f = facts.read_two((va, sa, vb, sb, o, ol, cu, kv, None, None, None))
+    f.prefix_rows = f.T
+    c = forms.MergeCall(
+        f.T, f.H, f.D, 16 // va.element_size(), str(va.dtype).split(".")[-1], str(o.dtype).split(".")[-1],
+        frozenset({"a_empty"}), False, True, True, ol.stride(0) == 1 and ol.stride(1) != 1, cu.dtype.itemsize == 8,
+    )  # fmt: skip
+    ctypes = (zerokv.core.dtypes.ctype(c.in_dtype), zerokv.core.dtypes.ctype(c.out_dtype))
+    form = forms.flat_options(c, forms.Device(device.sm_count(f.device), device.l2_bytes(f.device)), ctypes)
+    targs = (*form.targs[:-1], form.targs[-1] | zerokv.core.kernels.F_A_SKIP)
+    if targs not in form.kernel.instances:
+        raise ValueError(f"no F_A_SKIP variant of {form.kernel.name} {form.targs}")
+    consts = merge_plans.Consts()
+    consts.k, consts.inv_k = zerokv.core.checks.LSE_BASES["e"]
+    consts.suffix_verbatim, consts.a_is64, consts.prefix_rows, consts.ue8m0 = 0, int(c.a64), 0, 0
+    launcher = plans.launcher(form.kernel, targs, f.device)
+    bind = merge_plans._binder(form.kernel, facts.TwoFacts)
+    launcher.launch(form.grid, form.grid_y, device.torch_stream(f.device), bind, f, form, consts)
+    return o, ol
+
+
+def _merge_two() -> Any:
+    """The two-way merge behind the adapters (row masks, vLLM's verbatim suffix)."""
+    from zerokv import merge
+
+    return merge.merge_two

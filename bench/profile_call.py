@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     f = facts.read_two(objs)
     if args.cpu:
         f.device = 0
-    scalars = ("e", True, False, False, False)
+    scalars = ("e", True, False, False, (None, "float32"), False)
     plan = plans.get((scalars, f.sig))
     f.prefix_rows = T
     key = next(iter(plan.forms))
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         "check (cheap)": lambda: plan.check(f),
         "form + pack": lambda: bind(buf, f, plan.forms[key][0], plan.consts),
         "merge_state (all)": lambda: zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=ol),
+        "... a new T (all)": _new_t(zerokv.merge_state, dev),
+        "... its slicing alone": _new_t(lambda *a, **k: None, dev),
     }
     if not args.cpu:
         stream = torch.cuda.current_stream().cuda_stream
@@ -71,6 +73,27 @@ def main(argv: list[str] | None = None) -> int:
         us = statistics.median(v)
         print(f"{k:20s} {us:7.2f} µs  {us / mul:5.2f} x torch.mul")
     return 0
+
+
+def _new_t(fn, dev: str):
+    """One call per new T of slices of preallocated buffers (T over 1000 values, cycled, the
+    forms of each T met before it is timed); the slicing is its own row (bench_host subtracts it)."""
+    import itertools
+
+    import torch
+
+    n, H, D = 1000, 16, 128
+    vs = [torch.randn(n, H, D, device=dev).to(torch.bfloat16) for _ in range(3)]
+    ss = [torch.randn(n, H, device=dev) for _ in range(3)]
+    Ts = itertools.cycle(range(1, n + 1))
+    for T in range(1, n + 1):
+        fn(vs[0][:T], ss[0][:T], vs[1][:T], ss[1][:T], out=vs[2][:T], out_lse=ss[2][:T])
+
+    def call():
+        T = next(Ts)
+        fn(vs[0][:T], ss[0][:T], vs[1][:T], ss[1][:T], out=vs[2][:T], out_lse=ss[2][:T])
+
+    return call
 
 
 def _route_cpu_down_the_gpu_path() -> None:
@@ -90,15 +113,18 @@ def _route_cpu_down_the_gpu_path() -> None:
         (lambda d: 50 << 20),
         (lambda d: 0),
     )
-    read = facts.read_two
+    for name in ("read_two", "read_n", "read_rows"):
+        setattr(facts, name, _on_device(getattr(facts, name)))
 
+
+def _on_device(read):
     def on_device(*a):
         f = read(*a)
         if f is not None:
             f.device = 0
         return f
 
-    facts.read_two = on_device
+    return on_device
 
 
 if __name__ == "__main__":

@@ -155,10 +155,14 @@ __device__ __forceinline__ void store_pack_if(bool pred, T* p, const Pack<T, VEC
   } else if constexpr (B == 4) {
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.u32 [%0], %1;\n}"
                  ::"l"(p), "r"(w[0]), "r"((int)pred) : "memory");
-  } else {
-    static_assert(B == 2, "a pack of 2, 4, 8 or 16k bytes");
+  } else if constexpr (B == 2) {
     const unsigned short u = *reinterpret_cast<const unsigned short*>(&x);
     asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.u16 [%0], %1;\n}"
+                 ::"l"(p), "h"(u), "r"((int)pred) : "memory");
+  } else {
+    static_assert(B == 1, "a pack of 1, 2, 4, 8 or 16k bytes");
+    const unsigned short u = *reinterpret_cast<const unsigned char*>(&x);
+    asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.u8 [%0], %1;\n}"
                  ::"l"(p), "h"(u), "r"((int)pred) : "memory");
   }
 }
@@ -211,6 +215,15 @@ template <typename T, int VEC>
 __device__ __forceinline__ Pack<T, VEC> convert_pack(const float* x, float scale) {
   Pack<T, VEC> o;
   if constexpr (is_fp8<T>::value) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(ZK_FP8_SOFTWARE)
+    if constexpr (VEC % 2 == 0) {  // two values an instruction
+      unsigned short* w = reinterpret_cast<unsigned short*>(o.v);
+#pragma unroll
+      for (int j = 0; j < VEC / 2; ++j)
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(w[j]) : "f"(x[2 * j + 1] * scale), "f"(x[2 * j] * scale));
+      return o;
+    }
+#endif
 #pragma unroll
     for (int j = 0; j < VEC; ++j) o.v[j] = from_float<T>(x[j] * scale);
   } else if constexpr (sizeof(T) == 2 && VEC % 2 == 0) {

@@ -57,6 +57,109 @@ __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, flo
   return factor;
 }
 
+// Options as compile-time features of the tuned forms (merge_flat, merge_state_heads_kernel):
+// FEAT is a bitmask, 0 for the plain call, which compiles without any option's code. Each
+// feature's pointers and sizes are the kernels' last parameters (unused without the feature).
+constexpr int F_A_EMPTY = 1;    // a_empty: rows of requests with kv_lens 0 take state b alone
+constexpr int F_A64 = 2;        // ... its offsets int64 (else int32)
+constexpr int F_SINKS = 4;      // attention sinks [H]
+constexpr int F_ROW_MASK = 8;   // rows with mask 0 are not touched
+constexpr int F_OUT_SCALE = 16; // fp8 output, merged / *out_scale
+constexpr int F_GROUP_FP8 = 32; // fp8 output with a float32 scale per group of 2^g_shr packs
+constexpr int F_A_SKIP = 64;    // with F_A_EMPTY: v_a loaded after the request search, only where used
+
+template <typename I> struct Opts {
+  const void* a_cu;  // [a_batch + 1] cu_seqlens_q
+  const void* a_lens;  // [a_batch] kv_lens
+  int a_batch;
+  const unsigned char* row_mask;  // [T]
+  const float* sinks;             // [H]
+  const float* out_scale;         // one float
+  float* bscale;                  // per-group scales: bscale[t bs_st + (h groups + group) bs_sg]
+  I bs_st, bs_sg;
+  int g_shr;                      // log2 of the packs of one group
+  int ue8m0;                      // scales rounded up to a power of two
+};
+
+// offsets[i] at the offsets' width, clipped or compared in 64 bits where they are 64-bit
+template <bool A64> __device__ __forceinline__ i64 offset_at(const void* p, int i) {
+  if constexpr (A64) return __ldg(static_cast<const i64*>(p) + i);
+  else return (i64)__ldg(static_cast<const int*>(p) + i);
+}
+
+// row_in_empty_request's rule (the same binary search, so that any offsets give the CPU path's
+// rows) for a token t < T < 2^31: int arithmetic, the offsets' width a template argument. The
+// number of steps depends on B only, so a warp's lanes search in step; lanes of one token read
+// the same addresses (one access per step for the warp; the search is the warp's, not the lane's).
+template <bool A64>
+__device__ __forceinline__ bool a_row_empty(const void* cu, const void* lens, int B, int T, int t) {
+  if (B <= 0) return false;
+  int lo = 0, hi = B;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    if (offset_at<A64>(cu, mid) <= (i64)t) lo = mid; else hi = mid;
+  }
+  const i64 start = offset_at<A64>(cu, lo), end = offset_at<A64>(cu, lo + 1), len = offset_at<A64>(lens, lo);
+  return clip_row(start, T) <= t && t < clip_row(end, T) && len == 0;
+}
+
+// vLLM's per-group fp8 rule for the group of packs this thread's pack belongs to (2^g_shr
+// consecutive threads, aligned): absmax over the group (an unsigned max of |x|'s bits: NaN
+// wins over inf over any finite value, so NaN shows), scale = max(absmax, 1e-10) / 448 in
+// IEEE division, rounded up to a power of two when ue8m0. Every thread of the warp calls it
+// (shuffles); groups wider than a warp (VEC 1 only) meet through shared memory.
+template <int VEC, int BLOCK>
+__device__ __forceinline__ float group_scale(const float* x, int g_shr, int ue8m0) {
+  unsigned m = 0u;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) m = max(m, __float_as_uint(x[j]) & 0x7fffffffu);
+  const int lanes = 1 << g_shr;
+  for (int o = 1; o < lanes && o < 32; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if constexpr (VEC == 1) {
+    if (lanes > 32) {  // the same for every thread of the block
+      __shared__ unsigned s_max[BLOCK / 32];
+      if ((threadIdx.x & 31u) == 0u) s_max[threadIdx.x >> 5] = m;
+      __syncthreads();
+      const int warps = lanes >> 5, w0 = (int)(threadIdx.x >> 5) & ~(warps - 1);
+      for (int w = 0; w < warps; ++w) m = max(m, s_max[w0 + w]);
+    }
+  }
+  const float amax = __uint_as_float(m);
+  float s;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(s) : "f"(fmaxf(amax, 1e-10f)), "f"(448.f));
+  s = amax != amax ? amax : s;
+  unsigned u = __float_as_uint(s);
+  if (ue8m0 && (u & 0x7fffffu) && u < 0x7f800000u) u = (u & 0xff800000u) + 0x800000u;  // 2^ceil(log2 s)
+  return __uint_as_float(u);
+}
+
+__device__ __forceinline__ float div_rn(float x, float y) {
+  float q;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(q) : "f"(x), "f"(y));
+  return q;
+}
+
+// x[j] / d correctly rounded (as div.rn) for a positive normal d, in three instructions a value:
+// y = 1 / d correctly rounded (once), q = x y, r = x - q d (exact, an FMA), q + r y rounded is
+// x / d rounded (Markstein's theorem; r = 0: q is exact, kept as it is for its sign of zero).
+// d = inf or NaN (a group holding inf or NaN) takes div.rn itself.
+template <int VEC>
+__device__ __forceinline__ void divide_rn(float* x, float d) {
+  if (d < __int_as_float(0x7f800000)) {
+    float y;
+    asm("rcp.rn.f32 %0, %1;" : "=f"(y) : "f"(d));
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float q = x[j] * y;
+      const float r = fmaf(-q, d, x[j]);
+      x[j] = r != 0.f ? fmaf(r, y, q) : q;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) x[j] = div_rn(x[j], d);
+  }
+}
+
 // Row groups. Row (t, h) (numbered t * H + h, the order of V in memory) is merged by `lanes`
 // threads (a power of two, at most the block; within one warp when out_lse is written in
 // place), each taking packs p = lane, lane + lanes, ... of the row's D / VEC packs (VEC = 1:
@@ -74,10 +177,9 @@ __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, flo
 // selects on their bits while widening them, then one FMUL and one FFMA per value: 0.03-0.06 µs
 // less on small calls; half and float keep a select per value, which measured faster for them
 // (bench/NOTES.md).
-template <typename Tin, typename Tout, int VEC>
-__device__ __forceinline__ Pack<Tout, VEC> merged(const Pack<Tin, VEC>& a, const Pack<Tin, VEC>& b, float ca, float cb,
-                                                  float inv_scale) {
-  float acc[VEC];
+template <typename Tin, int VEC>
+__device__ __forceinline__ void merged_floats(const Pack<Tin, VEC>& a, const Pack<Tin, VEC>& b, float ca, float cb,
+                                              float* acc) {
   if constexpr (is_bf16<Tin>::value && VEC % 2 == 0) {
     float xa[VEC], xb[VEC];
     bf16_floats_if<VEC>(ca != 0.f, a, xa);
@@ -92,6 +194,13 @@ __device__ __forceinline__ Pack<Tout, VEC> merged(const Pack<Tin, VEC>& a, const
       acc[j] = xa + xb;
     }
   }
+}
+
+template <typename Tin, typename Tout, int VEC>
+__device__ __forceinline__ Pack<Tout, VEC> merged(const Pack<Tin, VEC>& a, const Pack<Tin, VEC>& b, float ca, float cb,
+                                                  float inv_scale) {
+  float acc[VEC];
+  merged_floats<Tin, VEC>(a, b, ca, cb, acc);
   return convert_pack<Tout, VEC>(acc, inv_scale);
 }
 
@@ -236,21 +345,27 @@ __device__ __forceinline__ int flat_token(unsigned r, int H, unsigned H_mul, int
 // 2^19 threads on; bench/NOTES.md); with rows in tiles (TILE) an out_lse laid [H, T] takes whole
 // sectors. Every thread of the block calls it (a barrier inside): those past the last row with
 // has = false.
-template <int BLOCK, bool TILE, typename I>
+template <int BLOCK, bool TILE, typename I, bool MASK = false>
 __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsigned row, float lse, int rows,
                                                    int packs, unsigned packs_mul, int packs_shr, int H,
                                                    unsigned H_mul, int H_shr, unsigned tiled_rows, I ol_st,
-                                                   I ol_sh) {
+                                                   I ol_sh, bool keep = true) {
   __shared__ float s_lse[BLOCK];
+  __shared__ unsigned char s_keep[MASK ? BLOCK : 1];  // MASK: rows a row mask leaves alone
   const unsigned i0 = blockIdx.x * (unsigned)BLOCK;
   const unsigned q = fast_div(i0, packs_mul, packs_shr);
   const unsigned first = q + (q * (unsigned)packs != i0);  // the first row whose pack 0 is here
   if (has) s_lse[row - first] = lse;
+  if constexpr (MASK) {
+    if (has) s_keep[row - first] = keep;
+  }
   __syncthreads();
   const unsigned end_thread = min(i0 + (unsigned)BLOCK, (unsigned)rows * (unsigned)packs);
   const unsigned end = fast_div(end_thread - 1u, packs_mul, packs_shr) + 1u;
   const unsigned r = first + threadIdx.x;
-  if (r < end) {
+  bool write = r < end;
+  if constexpr (MASK) write = write && s_keep[threadIdx.x];
+  if (write) {
     int h;
     const int t = flat_token<TILE>(r, H, H_mul, H_shr, tiled_rows, h);
     olse[(I)t * ol_st + (I)h * ol_sh] = s_lse[threadIdx.x];
@@ -276,6 +391,68 @@ __device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d
   return c;
 }
 
+// merge_pack with the option features of FEAT (nonzero). a_empty: v_a is loaded with v_b and the
+// request search runs while the loads are in flight (the contract lets a kernel load an empty
+// input's V; it is selected away, never used); with F_A_SKIP the search comes first and a row
+// whose state a is not used (its request empty, or past prefix_rows) does not load v_a: fewer
+// bytes, but the search's chain of dependent loads before the v_a load measured 11-15 % slower
+// on an H200 at T = 2048-8192 with 25-50 % empty requests (bench/NOTES.md). keep: the row is
+// written (row mask). An unused state's V is dropped by a select, never multiplied by zero.
+template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I>
+__device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, int p, int T, int packs,
+                                                  const Tin* va, const Tin* vb, const float* sa, const float* sb,
+                                                  Tout* out, I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh,
+                                                  I vb_st, I vb_sh, I out_st, I out_sh, int prefix_rows,
+                                                  int suffix_verbatim, float k, float inv_k, const Opts<I>& o,
+                                                  bool& keep) {
+  constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0, LATE_A = A_EMPTY && (FEAT & F_A_SKIP) != 0;
+  const I t = t32, h = h32, d = p * VEC;
+  Pack<Tin, VEC> a;
+  const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
+  if constexpr (!LATE_A) a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
+  const float la = __ldg(sa + (t * sa_st + h * sa_sh));
+  const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
+  float sink = 0.f;
+  if constexpr ((FEAT & F_SINKS) != 0) sink = __ldg(o.sinks + h32);
+  keep = live;
+  if constexpr ((FEAT & F_ROW_MASK) != 0) keep = live && __ldg(o.row_mask + t32) != 0;
+  bool use_a = t32 < prefix_rows;
+  if constexpr (A_EMPTY) use_a = use_a && !a_row_empty<(FEAT & F_A64) != 0>(o.a_cu, o.a_lens, o.a_batch, T, t32);
+  if constexpr (LATE_A) {
+    if (use_a) {
+      a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
+    } else {
+      a = Pack<Tin, VEC>{};  // selected away below: the bits do not matter
+    }
+  }
+  RowCoef c = combine2<true>(use_a ? la : neg_inf(), lb, k, inv_k);
+  if constexpr ((FEAT & F_SINKS) != 0) {
+    const float f = apply_sink(c.lse, sink, k, inv_k);
+    c.ca *= f;
+    c.cb *= f;
+  }
+  const bool verbatim = t32 >= prefix_rows && suffix_verbatim;
+  c.ca = verbatim ? 0.f : c.ca;
+  c.cb = verbatim ? 1.f : c.cb;
+  c.lse = verbatim ? lb : c.lse;
+  float acc[VEC];
+  merged_floats<Tin, VEC>(a, b, c.ca, c.cb, acc);
+  Tout* po = out + (t * out_st + h * out_sh + d);
+  if constexpr ((FEAT & F_GROUP_FP8) != 0) {
+    const float scale = group_scale<VEC, BLOCK>(acc, o.g_shr, o.ue8m0);
+    divide_rn<VEC>(acc, scale);
+    store_pack_if<Tout, VEC>(keep, po, convert_pack<Tout, VEC>(acc, 1.f));
+    const int g = p >> o.g_shr;
+    const I at = t * o.bs_st + ((I)h32 * (I)(packs >> o.g_shr) + (I)g) * o.bs_sg;
+    store_float_if(keep && (p & ((1 << o.g_shr) - 1)) == 0, o.bscale, (i64)at, scale);
+  } else {
+    float inv_scale = 1.f;
+    if constexpr ((FEAT & F_OUT_SCALE) != 0) inv_scale = 1.f / __ldg(o.out_scale);
+    store_pack_if<Tout, VEC>(keep, po, convert_pack<Tout, VEC>(acc, inv_scale));
+  }
+  return c;
+}
+
 // The engine's common call (no a_empty, row mask, sinks or fp8 scale; out_lse not written in
 // place) in the smallest form: one thread per pack of V (thread i: row i / packs, pack i % packs,
 // both without a division), the two V loads and the two LSE loads issued before any arithmetic.
@@ -295,41 +472,55 @@ __device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d
 //
 // GATHER: the rows' output LSEs through shared memory (store_lse_gathered), else each from its
 // row's pack-0 thread. TILE: rows in tiles of 8 tokens (flat_token), for an out_lse laid [H, T].
+//
+// FEAT (option features, nonzero): merge_pack_opt; no early return (the per-group scales' shuffles
+// need every thread of the warp), so SMALL does not matter.
 template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I, bool GATHER = false,
-          bool TILE = false>
+          bool TILE = false, int FEAT = 0>
 __device__ __forceinline__ void merge_flat(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs, unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
     I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh, I vb_st, I vb_sh,
-    I out_st, I out_sh, I ol_st, I ol_sh, int prefix_rows, int suffix_verbatim, float k, float inv_k) {
+    I out_st, I out_sh, I ol_st, I ol_sh, int prefix_rows, int suffix_verbatim, float k, float inv_k,
+    const Opts<I>& o = Opts<I>{}) {
   static_assert(!GATHER || SMALL, "the gathered form's barrier needs every thread");
   const unsigned i = blockIdx.x * (unsigned)BLOCK + threadIdx.x;
   const unsigned row0 = fast_div(i, packs_mul, packs_shr);
   const bool live = row0 < (unsigned)rows;
-  if (!SMALL && !live) return;
+  if (!SMALL && FEAT == 0 && !live) return;
   const unsigned row = live ? row0 : 0u;
   const int p = live ? (int)(i - row0 * (unsigned)packs) : 0;
   unsigned tiled_rows = 0;  // rows in tiles of 8 tokens: H (T & ~7), the same for every thread
   if constexpr (TILE) tiled_rows = (fast_div((unsigned)rows, H_mul, H_shr) & ~7u) * (unsigned)H;
   int h32;
   const int t32 = flat_token<TILE>(row, H, H_mul, H_shr, tiled_rows, h32);
-  const RowCoef c = merge_pack<Tin, Tout, VEC, I>(live, t32, h32, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st,
-                                                  sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows,
-                                                  suffix_verbatim, k, inv_k);
+  RowCoef c;
+  bool keep = live;
+  if constexpr (FEAT == 0) {
+    c = merge_pack<Tin, Tout, VEC, I>(live, t32, h32, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh,
+                                      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k,
+                                      inv_k);
+  } else {
+    const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
+    c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, I>(
+        live, t32, h32, p, T, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
+        out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep);
+  }
   const I t = t32, h = h32;
   if constexpr (GATHER) {
     if (olse != nullptr)  // the same for the whole block
-      store_lse_gathered<BLOCK, TILE, I>(olse, live && p == 0, row, c.lse, rows, packs, packs_mul, packs_shr, H,
-                                         H_mul, H_shr, tiled_rows, ol_st, ol_sh);
+      store_lse_gathered<BLOCK, TILE, I, (FEAT & F_ROW_MASK) != 0>(olse, live && p == 0, row, c.lse, rows, packs,
+                                                                   packs_mul, packs_shr, H, H_mul, H_shr,
+                                                                   tiled_rows, ol_st, ol_sh, keep);
   } else {
-    store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
+    store_float_if(keep && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
   }
 }
 
 // The entry points of merge_flat, one per block size and index width. Each spells its
 // parameters out: tests/test_kernels.py holds the descriptions in zerokv/core/kernels.py against
 // this text.
-template <typename Tin, typename Tout, int VEC, int SMALL>
+template <typename Tin, typename Tout, int VEC, int SMALL, int FEAT = 0>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_flat_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs,
@@ -338,10 +529,14 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
     int out_st, int out_sh, int ol_st, int ol_sh,
     int prefix_rows,      // rows t >= prefix_rows take state b alone
     int suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
-    float k, float inv_k) {
-  merge_flat<Tin, Tout, VEC, SMALL, ZK_BLOCK_merge_state_flat_kernel, int>(
+    float k, float inv_k,
+    const void* a_cu, const void* a_lens, int a_batch,  // options (FEAT): a_empty's offsets
+    const unsigned char* row_mask, const float* sinks, const float* out_scale,
+    float* bscale, int bs_st, int bs_sg, int g_shr, int ue8m0) {  // per-group fp8 scales
+  merge_flat<Tin, Tout, VEC, SMALL, ZK_BLOCK_merge_state_flat_kernel, int, false, false, FEAT>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
-      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k,
+      Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0});
 }
 
 // The smallest calls (a few thousand packs: the launch and one round trip to memory): grid
@@ -353,38 +548,53 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
 // threads, the same code measured 4 % slower; bench/NOTES.md). A thread past the last head
 // loads head 0 and stores nothing. 16-bit inputs may come in packs of 8 bytes (VEC 4; merge.py
 // picks).
-template <typename Tin, typename Tout, int VEC>
+template <typename Tin, typename Tout, int VEC, int FEAT = 0>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state_heads_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int H, int packs, int packs_shr,
     int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
     int out_st, int out_sh, int ol_st, int ol_sh,
-    int prefix_rows, int suffix_verbatim, float k, float inv_k) {
+    int prefix_rows, int suffix_verbatim, float k, float inv_k,
+    const void* a_cu, const void* a_lens, int a_batch,  // options (FEAT): a_empty's offsets
+    const unsigned char* row_mask, const float* sinks, const float* out_scale,
+    float* bscale, int bs_st, int bs_sg, int g_shr, int ue8m0) {  // per-group fp8 scales
   const int i = (int)threadIdx.x;
   const int p = i & (packs - 1);
   const int h0 = (int)blockIdx.x * (ZK_BLOCK_merge_state_heads_kernel >> packs_shr) + (i >> packs_shr);
   const bool live = h0 < H;
   const int t = (int)blockIdx.y, h = live ? h0 : 0;
-  const RowCoef c = merge_pack<Tin, Tout, VEC, int>(live, t, h, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st,
-                                                    sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows,
-                                                    suffix_verbatim, k, inv_k);
-  store_float_if(live && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
+  RowCoef c;
+  bool keep = live;
+  if constexpr (FEAT == 0) {
+    c = merge_pack<Tin, Tout, VEC, int>(live, t, h, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st,
+                                        va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k);
+  } else {
+    c = merge_pack_opt<Tin, Tout, VEC, FEAT, ZK_BLOCK_merge_state_heads_kernel, int>(
+        live, t, h, p, (int)gridDim.y, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st,
+        vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k,
+        Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0}, keep);
+  }
+  store_float_if(keep && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
 }
 
 // The many-waves form from 2^19 threads on, in blocks of 512 with the output LSE gathered
 // (store_lse_gathered); its SMALL = 1 form (no early return), which measured even with SMALL = 0
 // on these grids. TILE = 1 for an out_lse laid [H, T] (merge.py).
-template <typename Tin, typename Tout, int VEC, int TILE>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel) merge_state_flat_gathered_kernel(
+template <typename Tin, typename Tout, int VEC, int TILE, int FEAT = 0>
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel, FEAT ? 4 : 0) merge_state_flat_gathered_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs,
     unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
     int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
     int out_st, int out_sh, int ol_st, int ol_sh,
-    int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat_gathered_kernel, int, true, TILE != 0>(
+    int prefix_rows, int suffix_verbatim, float k, float inv_k,
+    const void* a_cu, const void* a_lens, int a_batch,  // options (FEAT): a_empty's offsets
+    const unsigned char* row_mask, const float* sinks, const float* out_scale,
+    float* bscale, int bs_st, int bs_sg, int g_shr, int ue8m0) {  // per-group fp8 scales
+  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat_gathered_kernel, int, true, TILE != 0, FEAT>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
-      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k,
+      Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0});
 }
 
 // The same for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still
@@ -392,17 +602,21 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel) mer
 // [H, T] out_lse measured 1-4 % slower at 65536 x 128 x 512; bench/NOTES.md). Held to 32
 // registers, 4 blocks per SM: unbounded, the GPU's NVRTC gave the fp16 form 34 registers
 // (3 blocks per SM, 7 % slower; 32 from the NVRTC of this project's CI).
-template <typename Tin, typename Tout, int VEC>
+template <typename Tin, typename Tout, int VEC, int FEAT = 0>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4) merge_state_flat64_gathered_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
     int rows, int H, int packs,
     unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
     i64 sa_st, i64 sa_sh, i64 sb_st, i64 sb_sh, i64 va_st, i64 va_sh, i64 vb_st, i64 vb_sh,
     i64 out_st, i64 out_sh, i64 ol_st, i64 ol_sh,
-    int prefix_rows, int suffix_verbatim, float k, float inv_k) {
-  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat64_gathered_kernel, i64, true>(
+    int prefix_rows, int suffix_verbatim, float k, float inv_k,
+    const void* a_cu, const void* a_lens, int a_batch,  // options (FEAT): a_empty's offsets
+    const unsigned char* row_mask, const float* sinks, const float* out_scale,
+    float* bscale, i64 bs_st, i64 bs_sg, int g_shr, int ue8m0) {  // per-group fp8 scales
+  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat64_gathered_kernel, i64, true, false, FEAT>(
       va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
-      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k);
+      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k,
+      Opts<i64>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0});
 }
 
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both
@@ -413,6 +627,37 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4
 constexpr int NU = 4;
 constexpr int UN = 2;  // packs per input in flight: NU x UN loads, registers for 2 blocks of 128
 
+// merge_states with per-group fp8 output: one pack per lane per step over the row, every lane of
+// the warp in every step (a row past the last merges row 0 and stores nothing), so that a
+// group's 2^g_shr lanes (at most the row group's, the host keeps lanes >= them) meet in
+// group_scale's shuffles.
+template <typename Tin, typename Tout, int VEC>
+__device__ __forceinline__ void merge_states_groups(bool live, const Tin* pv, i64 v_sn, const float* ps, i64 s_sn,
+                                                    Tout* po, i64 N, i64 packs, i64 lanes, int col, float m,
+                                                    float scale, float k, float* bscale, i64 bs_at, i64 bs_sg,
+                                                    int g_shr, int ue8m0) {
+  for (i64 b0 = 0; b0 < packs; b0 += lanes) {
+    const i64 p = b0 + col;
+    const bool here = live && p < packs;
+    float acc[VEC];
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
+    for (i64 n = 0; n < N && here && scale != 0.f; ++n) {
+      const float l = ps[n * s_sn];
+      if (is_empty_lse(l)) continue;
+      const float w = fast_exp2((l - m) * k) * scale;
+      if (w == 0.f) continue;  // selected away: an input whose weight underflows is never read
+      const Pack<Tin, VEC> x = load_pack<Tin, VEC>(pv + n * v_sn + p * VEC);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) acc[j] += w * to_float(x.v[j]);
+    }
+    const float gs = group_scale<VEC, ZK_BLOCK_merge_states_kernel>(acc, g_shr, ue8m0);
+    divide_rn<VEC>(acc, gs);
+    store_pack_if<Tout, VEC>(here, po + p * VEC, convert_pack<Tout, VEC>(acc, 1.f));
+    store_float_if(here && (p & ((1 << g_shr) - 1)) == 0, bscale, bs_at + (p >> g_shr) * bs_sg, gs);
+  }
+}
+
 template <typename Tin, typename Tout, int VEC>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_kernel(
     const Tin* __restrict__ v, i64 v_sn, i64 v_st, i64 v_sh,
@@ -420,13 +665,18 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_ker
     Tout* __restrict__ out, i64 out_st, i64 out_sh,
     float* __restrict__ olse, i64 ol_st, i64 ol_sh,
     i64 N, i64 T, i64 H, i64 D, i64 lanes, const float* sinks, float k, float inv_k,
-    const float* out_scale) {
+    const float* out_scale,
+    float* bscale, i64 bs_st, i64 bs_sg, i64 g_shr, i64 ue8m0) {  // per-group fp8 (bscale null: none)
   const i64 rows = T * H;
   const i64 gtid = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   const int shift = __ffs((int)lanes) - 1;
-  const i64 row = gtid >> shift;
+  const i64 row0 = gtid >> shift;
   const int col = threadIdx.x & ((int)lanes - 1);
-  if (row >= rows) return;  // no LSE is read and written by different lanes: no barrier needed
+  const bool live = row0 < rows;
+  // no LSE is read and written by different lanes: no barrier needed; per-group fp8 keeps every
+  // lane for its shuffles
+  if (!live && bscale == nullptr) return;
+  const i64 row = live ? row0 : 0;
   const i64 packs = D / VEC;
   i64 t, h;
   split_row(row, H, rows, t, h);
@@ -450,10 +700,17 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_states_kernel) merge_states_ker
   }
   float row_lse = nan ? quiet_nan() : (sum > 0.f ? m + fast_log2(sum) * inv_k : neg_inf());
   if (sinks != nullptr) scale *= apply_sink(row_lse, sinks[h], k, inv_k);
-  if (col == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = row_lse;
+  if (live && col == 0 && olse != nullptr) olse[t * ol_st + h * ol_sh] = row_lse;
   if (nan) {  // every weight becomes NaN: the row shows the bug
     m = 0.f;
     scale = quiet_nan();
+  }
+  if (bscale != nullptr) {
+    const i64 groups = packs >> g_shr;
+    merge_states_groups<Tin, Tout, VEC>(live, v + t * v_st + h * v_sh, v_sn, ps, s_sn, out + t * out_st + h * out_sh,
+                                        N, packs, lanes, col, m, scale, k, bscale, t * bs_st + h * groups * bs_sg,
+                                        bs_sg, (int)g_shr, (int)ue8m0);
+    return;
   }
 
   const float inv_out = out_scale != nullptr ? 1.f / *out_scale : 1.f;

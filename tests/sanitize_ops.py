@@ -16,6 +16,7 @@ from batches import LYING_CASES, make_batch
 from states import NAN, make_states
 
 import zerokv
+from zerokv import merge
 from zerokv.compat import flashinfer, sglang, vllm
 
 DEV = "cuda"
@@ -181,6 +182,70 @@ def flat_forms() -> None:
             run(f"merge_states flat {tag}", lambda: zerokv.merge_states(v, s, out=out, out_lse=lse))
 
 
+def option_forms() -> None:
+    """Each option alone on the flat family's size classes (heads, small, gathered, tiled), with
+    valid offsets and with lying ones (decreasing, negative, past T, past 2^31 for int64)."""
+    for T, H, D in ((3, 7, 64), (2, 37, 128), (300, 8, 128), (4200, 8, 128), (5, 3, 40)):
+        dtype = torch.bfloat16
+        tag = f"{T}x{H}x{D}"
+        v_a, s_a, v_b, s_b = make_states(T, H, D, dtype, DEV, seed=T + 1)
+        for lse_kind, lse in (("TH", poison((T, H))), ("HT", ht(poison((T, H))))):
+            out = poison((T, H, D), dtype)
+            t = f"{tag} {lse_kind}"
+            offsets = {
+                "valid": ([0, T // 3, T // 3, T], [4, 0, 5]),
+                "lying": ([0, T + 50, -7, 2**31 - 1, T // 2], [0, 3, 0, 0]),
+                "lying64": ([0, 2**40, -(2**40), 5, T], [0, 0, 9, 0]),
+            }
+            for kind, (cu_l, kv_l) in offsets.items():
+                idx = torch.int64 if kind == "lying64" else torch.int32
+                cu, kv = torch.tensor(cu_l, dtype=idx, device=DEV), torch.tensor(kv_l, dtype=idx, device=DEV)
+                run(
+                    f"option a_empty {kind} {t}",
+                    lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse, a_empty=(cu, kv)),
+                )
+            sinks = torch.randn(H, device=DEV)
+            run(
+                f"option sinks {t}",
+                lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse, sinks=sinks),
+            )
+            mask = torch.arange(T, device=DEV) % 3 != 1
+            run(f"option row_mask {t}", lambda: merge.merge_two(v_a, s_a, v_b, s_b, out, lse, row_mask=mask))
+            run(
+                f"option verbatim {t}",
+                lambda: merge.merge_two(
+                    v_a, s_a, v_b, s_b, out, lse, prefix_rows=T // 2, suffix_verbatim=True
+                ),
+            )
+            o8 = torch.empty(T, H, D, dtype=torch.float8_e4m3fn, device=DEV)
+            scale = torch.tensor([0.05], device=DEV)
+            run(
+                f"option out_scale {t}",
+                lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=o8, out_lse=lse, out_scale=scale),
+            )
+            for g in (16, 64):
+                if D % g:
+                    continue
+                for bs_kind, bs in (
+                    ("rows", torch.empty(T, H * D // g, device=DEV)),
+                    ("cols", torch.empty(H * D // g, T, device=DEV).T),
+                ):
+                    run(
+                        f"option group fp8 g{g} {bs_kind} {t}",
+                        lambda: zerokv.merge_state(
+                            v_a,
+                            s_a,
+                            v_b,
+                            s_b,
+                            out=o8,
+                            out_lse=lse,
+                            out_block_scale=bs,
+                            quant_group=g,
+                            scale_format="ue8m0",
+                        ),
+                    )
+
+
 def lying_offsets() -> None:
     for case in LYING_CASES:
         for index_dtype in case.index_dtypes:
@@ -214,6 +279,7 @@ def lying_offsets() -> None:
 def main() -> int:
     valid_inputs()
     flat_forms()
+    option_forms()
     lying_offsets()
     torch.cuda.synchronize()
     print(f"sanitize_ops: {calls} calls, {len(raised)} raised")

@@ -75,12 +75,12 @@ def test_row_group_kernel_takes_two_packs_per_thread_for_batches_in_l2():
     assert n > hi and above == 1
 
 
-def test_options_take_the_row_group_kernel_with_their_code():
-    for feature in ("a_empty", "row_mask", "sinks", "out_scale"):
-        name, targs = _pick(_call(64, features=(feature,)))
-        assert name == "merge_state_kernel" and targs[4:] == (1, "long long")
-    name, targs = _pick(_call(64, out="float8_e4m3fn", features=("out_scale",)))
-    assert targs[4] == 1
+def test_several_options_or_two_dtypes_take_the_row_group_kernel_with_their_code():
+    # one option alone takes the flat family (tests/test_merge_options.py)
+    name, targs = _pick(_call(64, features=("a_empty", "sinks")))
+    assert name == "merge_state_kernel" and targs[4:] == (1, "long long")
+    name, targs = _pick(_call(64, out="float32", features=("sinks",)))
+    assert name == "merge_state_kernel" and targs[4] == 1
 
 
 def test_facts_that_rule_out_the_flat_forms():

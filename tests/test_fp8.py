@@ -3,7 +3,9 @@ ml_dtypes on the CPU, and against the hardware instruction over every float32 on
 
 from __future__ import annotations
 
+import math
 import re
+import struct
 
 import numpy as np
 import pytest
@@ -268,3 +270,145 @@ def test_fp8_merge_output_is_the_same_through_both_paths(monkeypatch):
     expected = torch.from_numpy(np.clip(ref * 64, -448, 448)).float()
     assert not second.float().isnan().any()
     torch.testing.assert_close(second.float().cpu(), expected, rtol=1 / 16, atol=2**-9)
+
+
+# --- per-group fp8 output (vLLM's rule) on the CPU path, against a hand-written computation ----
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32 (to nearest, ties to even), as a Python float."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _e4m3_table() -> list[tuple[float, int]]:
+    """Every finite non-negative e4m3 value with its bits, from the format's definition."""
+    table = []
+    for bits in range(0x7F):  # 0x7f is NaN
+        e, m = bits >> 3, bits & 7
+        table.append((m * 2.0**-9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7), bits))
+    return table
+
+
+E4M3_TABLE = _e4m3_table()
+
+
+def _to_e4m3(q: float) -> float:
+    """The nearest e4m3 value to q (ties to the even bit pattern), saturating at 448."""
+    if math.isnan(q):
+        return math.nan
+    a = min(abs(q), 448.0)
+    best = min(E4M3_TABLE, key=lambda vb: (abs(vb[0] - a), vb[1] & 1))
+    return math.copysign(best[0], q)
+
+
+def _hand_group_fp8(x: np.ndarray, group: int, ue8m0: bool) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's per-group rule in plain Python floats, one group at a time."""
+    T, H, D = x.shape
+    values = np.zeros((T, H, D))
+    scales = np.zeros((T, H * D // group))
+    for t in range(T):
+        for h in range(H):
+            for g in range(D // group):
+                xs = [_f32(float(v)) for v in x[t, h, g * group : (g + 1) * group]]
+                absmax = max(abs(v) for v in xs)
+                scale = _f32(max(absmax, _f32(1e-10)) / 448.0)
+                if ue8m0:
+                    scale = 2.0 ** math.ceil(math.log2(scale))
+                scales[t, h * (D // group) + g] = scale
+                for i, v in enumerate(xs):
+                    values[t, h, g * group + i] = _to_e4m3(_f32(v / scale))
+    return values, scales
+
+
+@pytest.mark.parametrize("group", [16, 32, 64])
+@pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
+@pytest.mark.parametrize("layout", ["rows", "cols", "padded"])
+def test_cpu_group_fp8_matches_a_hand_written_computation(group, fmt, layout):
+    T, H, D = 5, 3, 64
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.float32, seed=31, edges=False)
+    v_a = v_a * torch.logspace(-3, 3, D)  # groups of very different magnitudes
+    s_a[1, 2] = float("-inf")
+    s_b[1, 2] = float("inf")  # an empty row: zeros and the smallest scale
+    v_a[1, 2] = float("nan")
+    G = H * D // group
+    bs = {"rows": torch.full((T, G), float("nan")), "cols": torch.full((G, T), float("nan")).T,
+          "padded": torch.full((T, G + 2), float("nan"))[:, :G]}[layout]  # fmt: skip
+    out = torch.full((T, H, D), float("nan")).to(torch.float8_e4m3fn)
+    lse = torch.full((T, H), float("nan"))
+    zerokv.merge_state(
+        v_a, s_a, v_b, s_b, out=out, out_lse=lse, out_block_scale=bs, quant_group=group, scale_format=fmt
+    )
+    merged, want_lse = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
+    values, scales = _hand_group_fp8(merged, group, fmt == "ue8m0")
+    assert np.array_equal(f64(out), values)
+    assert np.array_equal(f64(bs), scales)
+    assert (
+        values[1, 2].max() == 0 and scales[1, 2 * (D // group)] == _f32(_f32(1e-10) / 448) or fmt == "ue8m0"
+    )
+    np.testing.assert_allclose(f64(lse), want_lse, rtol=1e-6)
+    r_values, r_scales = reference.fp8_group_scales(merged, group, fmt == "ue8m0")
+    assert np.array_equal(r_values, values) and np.array_equal(r_scales, scales)
+
+
+def test_cpu_group_fp8_through_merge_states():
+    T, H, D = 4, 2, 32
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, seed=32, edges=True)
+    out = torch.zeros(T, H, D).to(torch.float8_e4m3fn)
+    bs = torch.zeros(T, H * D // 16)
+    zerokv.merge_states(
+        torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out=out, out_block_scale=bs, quant_group=16
+    )
+    merged, _ = reference.merge_state(*(f64(x) for x in (v_a, s_a, v_b, s_b)))
+    values, scales = _hand_group_fp8(merged, 16, False)
+    assert np.array_equal(f64(out), values) and np.array_equal(f64(bs), scales)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"quant_group": 128}, "quant_group"),  # no out_block_scale
+        ({"out_block_scale": "bs"}, "quant_group: required"),
+        ({"out_block_scale": "bs", "quant_group": 24}, "power of two"),
+        ({"out_block_scale": "bs", "quant_group": 256}, "power of two"),
+        ({"out_block_scale": "bs8", "quant_group": 8}, "power of two"),
+        ({"out_block_scale": "bs", "quant_group": 32, "scale_format": "e8m0"}, "scale_format"),
+        ({"out_block_scale": "bs", "quant_group": 32, "out_scale": "one"}, "give one fp8 scale"),
+        ({"out_block_scale": "bs", "quant_group": 32, "out": "bf16"}, "float8_e4m3fn"),
+        ({"out_block_scale": "bad_shape", "quant_group": 32}, "out_block_scale"),
+        ({"out_block_scale": "f16", "quant_group": 32}, "out_block_scale"),
+        ({"out_block_scale": "bs", "quant_group": 32, "sinks": "sinks"}, "does not combine"),
+        ({"out_block_scale": "alias", "quant_group": 32}, "out_block_scale"),
+    ],
+)
+def test_cpu_group_fp8_rejects_bad_arguments_and_writes_nothing(kwargs, match):
+    T, H, D = 3, 2, 64
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.float32, seed=33, edges=False)
+    out = torch.zeros(T, H, D).to(torch.float8_e4m3fn)
+    lse = torch.zeros(T, H)
+    made = {
+        "bs": torch.zeros(T, H * D // 32), "bs8": torch.zeros(T, H * D // 8), "one": torch.ones(1),
+        "bf16": torch.zeros(T, H, D, dtype=torch.bfloat16), "bad_shape": torch.zeros(T, 3),
+        "f16": torch.zeros(T, H * D // 32, dtype=torch.float16), "sinks": torch.zeros(H),
+        "alias": lse.view(-1)[: T * 2].view(T, 2)[:, :1].expand(T, H * D // 32),
+    }  # fmt: skip
+    args = {k: made.get(v, v) if isinstance(v, str) and k != "scale_format" else v for k, v in kwargs.items()}
+    args.setdefault("out", out)
+    before = [x.clone() for x in (out.view(torch.uint8), lse)]
+    with pytest.raises((TypeError, ValueError), match=match):
+        zerokv.merge_state(v_a, s_a, v_b, s_b, out_lse=lse, **args)
+    assert torch.equal(out.view(torch.uint8), before[0]) and torch.equal(lse, before[1])
+
+
+def test_cpu_group_fp8_of_three_states_with_sinks():
+    T, H, D = 4, 2, 32
+    g = torch.Generator().manual_seed(34)
+    v, s = torch.randn(3, T, H, D, generator=g), torch.randn(3, T, H, generator=g)
+    s[1, 0] = float("-inf")
+    v[1, 0] = float("nan")
+    sinks = torch.randn(H, generator=g)
+    out = torch.zeros(T, H, D).to(torch.float8_e4m3fn)
+    bs = torch.zeros(H * D // 16, T).T
+    zerokv.merge_states(v, s, out=out, sinks=sinks, out_block_scale=bs, quant_group=16, scale_format="ue8m0")
+    merged, _ = reference.merge_states(f64(v), f64(s), sinks=f64(sinks))
+    values, scales = _hand_group_fp8(merged, 16, True)
+    assert np.array_equal(f64(out), values) and np.array_equal(f64(bs), scales)

@@ -26,6 +26,9 @@ def merge_state(
     a_empty: tuple[Any, Any] | None = None,
     out_scale: Any = None,
     sinks: Any = None,
+    out_block_scale: Any = None,
+    quant_group: int | None = None,
+    scale_format: str = "float32",
 ) -> tuple[Any, Any]:
     """Merge two partial attention states ``(v_a, s_a)`` and ``(v_b, s_b)`` into one.
 
@@ -46,6 +49,13 @@ def merge_state(
         out_scale: float32 tensor of one element: fp8 output ``clamp(merged / scale)``.
         sinks: float32 ``[H]`` attention-sink logits, in the LSE's base, counted once in the
             normaliser: ``S' = logaddexp(S, sink_h)``, ``out *= base^(S - S')``.
+        out_block_scale: per-group fp8 output (vLLM's rule, for fp8 block-scaled GEMMs): float32
+            ``[T, H * D / quant_group]``, any strides, receives each (token, head, group of
+            ``quant_group`` values along D) scale ``max(absmax, 1e-10) / 448``; ``out`` must be
+            float8_e4m3fn and receives ``fp8(clamp(x / scale))``. An empty row gives zeros and
+            the smallest scale. Not with ``out_scale``, ``a_empty`` or ``sinks``.
+        quant_group: the group size with ``out_block_scale``: 16, 32, 64 or 128, dividing D.
+        scale_format: ``"float32"``, or ``"ue8m0"``: each scale rounded up to a power of two.
 
     Empty rule: an LSE of -inf or +inf gives weight 0 and that V never reaches the output (it
     may hold NaN/Inf garbage); both empty give ``(0, -inf)``. NaN in an LSE makes the row NaN.
@@ -60,8 +70,9 @@ def merge_state(
         out, lse = zerokv.merge_state(v_prefix, lse_prefix, v_suffix, lse_suffix)
     """
     return _merge_plans.two(
-        v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks
-    )
+        v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks,
+        None, False, None, None, out_block_scale, quant_group, scale_format,
+    )  # fmt: skip
 
 
 def merge_two(
@@ -81,6 +92,9 @@ def merge_two(
     suffix_verbatim: bool = False,
     allocate_lse: bool | None = None,
     names: dict[str, str] | None = None,
+    out_block_scale: Any = None,
+    quant_group: int | None = None,
+    scale_format: str = "float32",
 ) -> tuple[Any, Any]:
     """The two-way merge behind ``merge_state`` and the engine adapters.
 
@@ -91,7 +105,7 @@ def merge_two(
     """
     return _merge_plans.two(
         v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks,
-        row_mask, suffix_verbatim, allocate_lse, names,
+        row_mask, suffix_verbatim, allocate_lse, names, out_block_scale, quant_group, scale_format,
     )  # fmt: skip
 
 
@@ -104,6 +118,9 @@ def merge_states(
     lse_base: str | int = "e",
     out_scale: Any = None,
     sinks: Any = None,
+    out_block_scale: Any = None,
+    quant_group: int | None = None,
+    scale_format: str = "float32",
 ) -> tuple[Any, Any]:
     """Merge N partial states in one pass.
 
@@ -113,8 +130,12 @@ def merge_states(
         s: ``[N, T, H]`` float32 LSE, any strides.
         out, out_lse, lse_base, out_scale, sinks: as :func:`merge_state`; the outputs may not
             overlap ``v`` or ``s`` at all.
+        out_block_scale, quant_group, scale_format: per-group fp8 output as
+            :func:`merge_state` (with sinks too; states not aligned to 16 bytes take groups
+            of at most 32 values).
 
     Empty inputs contribute nothing and their V never reaches the output; all empty gives
     ``(0, -inf)``; NaN propagates. One launch, no host sync.
     """
-    return _merge_states_plan.n((v, s, out, out_lse, out_scale, sinks), (lse_base, out is None))
+    objs = (v, s, out, out_lse, out_scale, sinks) + (() if out_block_scale is None else (out_block_scale,))
+    return _merge_states_plan.n(objs, (lse_base, out is None, (quant_group, scale_format)))

@@ -179,3 +179,45 @@ def max_error(actual, expected) -> float:
         return float("inf")
     fin = np.isfinite(e)
     return float(np.abs(a[fin] - e[fin]).max()) if fin.any() else 0.0
+
+
+# --- per-group fp8 output (vLLM's rule for fp8 block-scaled GEMMs) ------------------------------
+
+FP8_E4M3_MAX = 448.0
+GROUP_SCALE_FLOOR = float(np.float32(1e-10))  # the absmax floor, as a float32 constant
+
+
+def e4m3_values(x) -> np.ndarray:
+    """float64 ``x`` rounded to the nearest fp8 e4m3 value (ties to even), finite values beyond
+    +-448 and +-inf saturating to +-448, NaN kept: what ``cvt.rn.satfinite.e4m3`` gives."""
+    x = np.asarray(x, dtype=np.float64)
+    c = np.clip(np.where(np.isnan(x), 0.0, x), -FP8_E4M3_MAX, FP8_E4M3_MAX)
+    _, e = np.frexp(c)  # |c| = m 2^e, m in [0.5, 1): the leading bit is 2^(e - 1)
+    step = np.ldexp(1.0, np.maximum(e - 1, -6) - 3)  # 3 fraction bits; denormals in units of 2^-9
+    r = np.round(c / step) * step  # exact scaling by a power of two, then round half to even
+    return np.where(np.isnan(x), np.nan, r)
+
+
+def fp8_group_scales(x, group: int, ue8m0: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Per-group fp8 e4m3 quantisation of merged rows ``x [T, H, D]`` in groups of ``group``
+    values along D: ``(values [T, H, D], scales [T, H * D / group])``, both float64 holding the
+    exact fp8 and float32 numbers. The kernels' arithmetic, step by step: ``x`` as float32;
+    ``absmax`` of each group (NaN if any value is NaN); ``scale = f32(max(absmax, f32(1e-10)) /
+    448)`` correctly rounded; with ``ue8m0`` rounded up to a power of two (``2^ceil(log2 scale)``,
+    exact); values ``e4m3(f32(x / scale))`` with saturation at +-448. An all-zero row (the empty
+    state) gives zeros and the smallest scale, ``f32(1e-10) / 448``."""
+    x32 = np.asarray(x, dtype=np.float64).astype(np.float32).astype(np.float64)
+    T, H, D = x32.shape
+    if group <= 0 or D % group:
+        raise ValueError(f"group: must divide head_dim {D}, got {group}")
+    g = x32.reshape(T, H, D // group, group)
+    with np.errstate(invalid="ignore"):
+        absmax = np.abs(g).max(axis=-1)  # NaN propagates
+        scale = (np.maximum(absmax, GROUP_SCALE_FLOOR) / FP8_E4M3_MAX).astype(np.float32).astype(np.float64)
+        if ue8m0:
+            m, e = np.frexp(np.where(np.isfinite(scale), scale, 1.0))
+            up = np.where(m == 0.5, scale, np.ldexp(1.0, e))  # already a power of two, or the next one
+            scale = np.where(np.isfinite(scale), up, scale)
+        q = (g / scale[..., None]).astype(np.float32).astype(np.float64)
+    values = e4m3_values(q).reshape(T, H, D)
+    return values, scale.reshape(T, H * (D // group))

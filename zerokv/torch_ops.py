@@ -60,7 +60,7 @@ def _a_empty(a_cu_seqlens_q, a_kv_lens):
 def _merge_state(
     v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, a_cu_seqlens_q=None, a_kv_lens=None, sinks=None
 ):
-    a_empty = _a_empty(a_cu_seqlens_q, a_kv_lens)
+    a_empty = None if a_cu_seqlens_q is None and a_kv_lens is None else _a_empty(a_cu_seqlens_q, a_kv_lens)
     return _merge_plans.two(
         v_a, s_a, v_b, s_b, None, None, lse_base, prefix_rows, a_empty, None, sinks, None, False, None, _NAMES
     )
@@ -80,7 +80,7 @@ def _merge_state_out(
     out_scale=None,
     sinks=None,
 ):
-    a_empty = _a_empty(a_cu_seqlens_q, a_kv_lens)
+    a_empty = None if a_cu_seqlens_q is None and a_kv_lens is None else _a_empty(a_cu_seqlens_q, a_kv_lens)
     _merge_plans.two(
         v_a,
         s_a,

@@ -24,6 +24,9 @@ _MERGE_NAMES = {
     "out_lse": "output_lse",
     "prefix_rows": "prefill_tokens_with_context",
     "out_scale": "output_scale",
+    "out_block_scale": "output_block_scale",
+    "quant_group": "quant_group_size",
+    "scale_format": "quant_scale_ue8m0",
 }
 _MASK_NAMES = ("output", "lse", "query_start_loc", "context_start_loc")  # (out, lse, cu_q, cu_kv)
 
@@ -37,6 +40,9 @@ def merge_attn_states(
     output_lse: Any = None,
     prefill_tokens_with_context: int | None = None,
     output_scale: Any = None,
+    output_block_scale: Any = None,
+    quant_group_size: int | None = None,
+    quant_scale_ue8m0: bool = False,
 ) -> None:
     """Merge prefix and suffix attention into ``output`` (in place; returns None).
 
@@ -49,6 +55,11 @@ def merge_attn_states(
         prefill_tokens_with_context: tokens ``>=`` this take the suffix verbatim (V and LSE
             copied as they are, as vLLM does); None: every token is merged.
         output_scale: float32 tensor of one element for an fp8 output (``merged / scale``).
+        output_block_scale: float32 ``[T, H * D / quant_group_size]`` (any strides: row-major,
+            column-major, padded) for a per-group fp8 ``output``: each (token, head, group)
+            scale ``max(absmax, 1e-10) / 448``, rounded up to a power of two when
+            ``quant_scale_ue8m0``. As vLLM: ``quant_group_size`` is required with it,
+            ``output_scale`` must be None, and ``quant_group_size`` must divide the head size.
 
     As vLLM: an LSE of +inf counts as -inf. Unlike vLLM's kernels, two empty states give
     ``(0, -inf)`` rather than the prefix's (possibly garbage) V or NaN. A rejected call writes
@@ -57,10 +68,18 @@ def merge_attn_states(
     if output is None:
         raise TypeError("output: required (vLLM's merge_attn_states writes its result into it), got None")
     lses = (("prefix_lse", prefix_lse), ("suffix_lse", suffix_lse), ("output_lse", output_lse))
+    group = None
+    if output_block_scale is not None:  # vLLM's rules for the per-group fp8 output
+        if quant_group_size is None:
+            raise ValueError("quant_group_size: required with output_block_scale")
+        if output_scale is not None:
+            raise ValueError("output_scale: must be None with output_block_scale")
+        group = quant_group_size
     try:
         _merge_plans.two(  # the [H, T] LSEs read as [T, H]; _th makes the views the checks need
             prefix_output, prefix_lse, suffix_output, suffix_lse, output, output_lse,
-            "e", prefill_tokens_with_context, None, output_scale, None, None, True, False, _MERGE_NAMES, _th,
+            "e", prefill_tokens_with_context, None, output_scale, None, None, True, False, _MERGE_NAMES,
+            output_block_scale, group, "ue8m0" if quant_scale_ue8m0 else "float32", _th,
         )  # fmt: skip
     except (TypeError, ValueError):
         _explain_lse_shapes(_token_head(prefix_output), lses)  # vLLM's [H, T] terms when an LSE is off

@@ -26,7 +26,7 @@ def merge_two(v: dict, o: Tensor, ol: Tensor | None, prefix_rows: int, verbatim:
         suffix_verbatim=verbatim, sinks=None if v["sinks"] is None else to_f64(v["sinks"]),
     )  # fmt: skip
     rows = None if v["mask"] is None else to_f64(v["mask"]).astype(bool)
-    write(o, scaled(res, v["scale"]), rows)
+    write_merged(o, res, v, rows)
     if ol is not None:
         write(ol, lse, rows)
 
@@ -35,7 +35,7 @@ def merge_states(v: dict, o: Tensor, ol: Tensor | None) -> None:
     """A validated N-way merge (``merge_checks.n``'s records) into ``o``/``ol``."""
     sinks = None if v["sinks"] is None else to_f64(v["sinks"])
     res, lse = reference.merge_states(to_f64(v["v"]), to_f64(v["s"]), v["base"], sinks)
-    write(o, scaled(res, v["scale"]))
+    write_merged(o, res, v)
     if ol is not None:
         write(ol, lse)
 
@@ -48,6 +48,19 @@ def empty_rows(v: dict, rule_offsets: bool) -> None:
     res, new_lse = reference.write_empty_rows(to_f64(o), to_f64(s), rows)
     write(o, res, rows)
     write(s, new_lse, rows)
+
+
+def write_merged(o: Tensor, res: np.ndarray, v: dict, rows: np.ndarray | None = None) -> None:
+    """The merged rows into ``o`` in the call's output format: per-group fp8 with its scales
+    into ``v["block_scale"]`` (``v["quant_group"]``, ``v["scale_format"]``), fp8 with one scale,
+    or the output dtype as it is."""
+    bs = v.get("block_scale")
+    if bs is None:
+        write(o, scaled(res, v["scale"]), rows)
+        return
+    values, scales = reference.fp8_group_scales(res, v["quant_group"], v["scale_format"] == "ue8m0")
+    write(o, values, rows)
+    write(bs, scales, rows)
 
 
 def scaled(res: np.ndarray, scale: Tensor | None) -> np.ndarray:

@@ -16,8 +16,8 @@ from . import facts as _facts
 from . import forms as _forms
 from . import kernels as _kernels
 from . import plans as _plans
-from .layout import INT32, apart, distinct, end
-from .tensors import view
+from .layout import INT32, apart, distinct
+from .tensors import torch_tensor_type, view
 
 _NAMES = {
     _kernels.RULE_KV_LENS_ZERO: ("out", "lse", "cu_seqlens_q", "kv_lens"),
@@ -34,11 +34,12 @@ def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
             raise RuntimeError("zerokv: the arguments passed validation but could not be read")
         _cpu.empty_rows(v, rule_offsets=rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         return
-    key = ("empty_rows", rule, f.sig)
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _plans.lookup(key, lambda: Plan(f, rule, names or _NAMES[rule]))
+    plan = _plans.get(("empty_rows", rule, f.sig)) or _new_plan(f, rule, names)
     plan(f, rule, names)
+
+
+def _new_plan(f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> Plan:
+    return _plans.lookup(("empty_rows", rule, f.sig), lambda: Plan(f, rule, names or _NAMES[rule]))
 
 
 def validate(objs: tuple, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
@@ -61,6 +62,9 @@ def validate(objs: tuple, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
         raise ValueError(f"{n_out}: T must be below 2^31, got shape {tuple(o.shape)}")
     _checks.outputs([(n_out, o, ()), (n_lse, s, ())], [(n_cu, c), (n_lens, ln)])
     return {"out": o, "lse": s, "cu": c, "lens": ln, "device": device}
+
+
+_GRID_CACHE_LIMIT = 4096  # distinct (T, H, D) a plan keeps; past it, it starts again
 
 
 class Consts:
@@ -86,6 +90,8 @@ class Plan:
         self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
         self.out_size = _dtypes.itemsize(o.dtype)
         self.stream = _device.torch_stream if f.torch else _device.cupy_stream
+        self.tensor_type = torch_tensor_type()
+        self.grids: dict = {}  # (T, H, D) -> the grid of that size
 
     def __call__(self, f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> None:
         if not self.check(f):
@@ -93,7 +99,11 @@ class Plan:
         T, H, D = f.T, f.H, f.D
         if f.batch == 0 or T * H == 0:
             return
-        grid = _forms.empty_rows_grid(T, H, D, self.vec, self.dev)
+        grid = self.grids.get((T, H, D))
+        if grid is None:
+            if len(self.grids) >= _GRID_CACHE_LIMIT:
+                self.grids.clear()
+            grid = self.grids[T, H, D] = _forms.empty_rows_grid(T, H, D, self.vec, self.dev)
         self.launcher.launch(grid, 1, self.stream(self.device), self.bind, f, self.consts)
 
     def check(self, f: _facts.RowsFacts) -> bool:
@@ -105,18 +115,22 @@ class Plan:
             return False
         if (D > 1 and f.out_in != 1) or (n > 1 and f.cu_st != 1) or (f.lens_len > 1 and f.lens_st != 1):
             return False
-        objs = f.objs
-        if not (_facts.writable_cheap(objs[0]) and _facts.writable_cheap(objs[1])):
+        objs, tt = f.objs, self.tensor_type
+        for o in objs[:2]:  # writable_cheap's torch case written out first
+            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
+                return False
+        st0, st1, sl0, sl1 = f.out_st, f.out_sh, f.lse_st, f.lse_sh
+        if not ((H <= 1 or st1 >= D) and (T <= 1 or st0 >= (H - 1) * st1 + D) or distinct(T, st0, H, st1, D)):
             return False
-        if not (distinct(T, f.out_st, H, f.out_sh, D) and distinct(T, f.lse_st, H, f.lse_sh, 1)):
+        if not ((H <= 1 or sl1 >= 1) and (T <= 1 or sl0 >= (H - 1) * sl1 + 1) or distinct(T, sl0, H, sl1, 1)):
             return False
         if not (T and H):
             return True  # nothing to write
         if not D:
             return False
         po, pl, pc, pn = f.out, f.lse, f.cu_q, f.lens
-        end_o = end(po, T, f.out_st, H, f.out_sh, D, self.out_size)
-        end_l = end(pl, T, f.lse_st, H, f.lse_sh, 1, 4)
+        end_o = po + ((T - 1) * st0 + (H - 1) * st1 + D) * self.out_size  # layout.end, written out
+        end_l = pl + ((T - 1) * sl0 + (H - 1) * sl1 + 1) * 4
         end_c, end_n = pc + n * self.q_size, pn + f.lens_len * self.lens_size
         return (
             apart(po, end_o, pl, end_l) and apart(po, end_o, pc, end_c) and apart(po, end_o, pn, end_n)

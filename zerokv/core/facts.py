@@ -95,6 +95,7 @@ class TwoFacts:
         "out", "out_st", "out_sh", "olse", "ol_st", "ol_sh", "T", "H", "D", "prefix_rows",
         "a_cu", "a_lens", "a_batch", "cu_len", "cu_st", "lens_len", "lens_st",
         "row_mask", "mask_len", "mask_st", "sinks", "sinks_len", "sinks_st", "out_scale", "scale_len",
+        "bscale", "bs_st", "bs_sg", "bs_shape",
     )  # fmt: skip
 
 
@@ -113,115 +114,167 @@ def read_two(objs: tuple, lse_ht: bool = False) -> TwoFacts | None:
         return None
 
 
-def _read_two(objs, torch, ht, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks) -> TwoFacts:
+def _read_two(
+    objs, torch, ht, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks, bscale=None
+) -> TwoFacts:
+    # Straight-line on purpose (the hot path): byte ends as layout.end, alignment as
+    # layout.aligned, written out (tests/test_host_facts.py holds them to those functions).
     f = TwoFacts()
     f.objs, f.torch = objs, torch is True
-    end = _layout.end
     f.va = pa = v_a.data_ptr()
-    sh = v_a.shape
-    f.T, f.H, f.D = T, H, D = sh
-    th = (H, T) if ht else sh[:2]  # the LSEs' shape
-    sta0, sta1, va_in = v_a.stride()
-    f.va_st, f.va_sh = sta0, sta1
+    f.T, f.H, f.D = T, H, D = sh = v_a.shape
+    th = (H, T) if ht else (T, H)  # the LSEs' shape
+    f.va_st, f.va_sh, va_in = sta0, sta1, va_in = v_a.stride()
     f.vb = pb = v_b.data_ptr()
-    stb0, stb1, vb_in = v_b.stride()
-    f.vb_st, f.vb_sh = stb0, stb1
+    f.vb_st, f.vb_sh, vb_in = stb0, stb1, vb_in = v_b.stride()
     f.sa = psa = s_a.data_ptr()
-    ssa0, ssa1 = s_a.stride()
     if ht:
-        ssa0, ssa1 = ssa1, ssa0
+        ssa1, ssa0 = s_a.stride()
+        ssb1, ssb0 = s_b.stride()
+    else:
+        ssa0, ssa1 = s_a.stride()
+        ssb0, ssb1 = s_b.stride()
     f.sa_st, f.sa_sh = ssa0, ssa1
     f.sb = psb = s_b.data_ptr()
-    ssb0, ssb1 = s_b.stride()
-    if ht:
-        ssb0, ssb1 = ssb1, ssb0
     f.sb_st, f.sb_sh = ssb0, ssb1
     dv = v_a.dtype
     f.device = dev = v_a.get_device()
     isz = _ITEMSIZE.get(dv) or _itemsize(dv)
-    w = _layout.vec(isz)
-    st_or = sta0 | sta1 | stb0 | stb1 | ssa0 | ssa1 | ssb0 | ssb1
-    ok = _layout.aligned(pa | pb, isz, w, sta0 | sta1 | stb0 | stb1 | D)
+    w = _VECTOR_BYTES // isz
+    vst = sta0 | sta1 | stb0 | stb1
+    st_or = vst | ssa0 | ssa1 | ssb0 | ssb1
+    ok = not ((pa | pb) % _VECTOR_BYTES or (vst | D) % w)
     regular = (
         0 < T < INT32 and 0 < H < INT32 and D > 0
         and v_b.shape == sh and s_a.shape == th and s_b.shape == th and (D == 1 or va_in == vb_in == 1)
     )  # fmt: skip
     sig = [dv, v_b.dtype, s_a.dtype, s_b.dtype, dev, v_b.get_device(), s_a.get_device(), s_b.get_device()]
     widest = T * H * D
-    if regular:
-        ea, eb = end(pa, T, sta0, H, sta1, D, isz), end(pb, T, stb0, H, stb1, D, isz)
-        esa, esb = end(psa, T, ssa0, H, ssa1, 1, 4), end(psb, T, ssb0, H, ssb1, 1, 4)
-        f.spans = [(pa, ea), (pb, eb), (psa, esa), (psb, esb)]
-        widest = max(widest, max(ea - pa, eb - pb) // isz, max(esa - psa, esb - psb) >> 2)
+    if regular:  # each span in elements first (small ints), then its byte end
+        T1, H1 = T - 1, H - 1
+        xa, xb = T1 * sta0 + H1 * sta1 + D, T1 * stb0 + H1 * stb1 + D
+        xsa, xsb = T1 * ssa0 + H1 * ssa1 + 1, T1 * ssb0 + H1 * ssb1 + 1
+        f.spans = [(pa, pa + xa * isz), (pb, pb + xb * isz), (psa, psa + 4 * xsa), (psb, psb + 4 * xsb)]
+        if xa > widest:
+            widest = xa
+        if xb > widest:
+            widest = xb
+        if xsa > widest:
+            widest = xsa
+        if xsb > widest:
+            widest = xsb
     if out is None:
         f.out = f.out_st = f.out_sh = 0
         sig.append(None)
     else:
         f.out = po = out.data_ptr()
-        st0, st1, out_in = out.stride()
-        f.out_st, f.out_sh = st0, st1
+        f.out_st, f.out_sh, out_in = st0, st1, out_in = out.stride()
         st_or |= st0 | st1
         do = out.dtype
         osz = _ITEMSIZE.get(do) or _itemsize(do)
-        ok = ok and _layout.aligned(po, osz, w, st0 | st1)
+        ok = ok and not (po % (w * osz) or (st0 | st1) % w)
         sig += (do, out.get_device())
         regular = regular and out.shape == sh and (D == 1 or out_in == 1)
         if regular:
-            f.out_end = eo = end(po, T, st0, H, st1, D, osz)
-            widest = max(widest, (eo - po) // osz)
+            n = (T - 1) * st0 + (H - 1) * st1 + D
+            f.out_end = po + n * osz
+            if n > widest:
+                widest = n
     if out_lse is None:
         f.olse = f.ol_st = f.ol_sh = 0
         sig.append(None)
     else:
         f.olse = pl = out_lse.data_ptr()
-        sl0, sl1 = out_lse.stride()
         if ht:
-            sl0, sl1 = sl1, sl0
+            sl1, sl0 = out_lse.stride()
+        else:
+            sl0, sl1 = out_lse.stride()
         f.ol_st, f.ol_sh = sl0, sl1
         st_or |= sl0 | sl1
         sig += (out_lse.dtype, out_lse.get_device())
         regular = regular and out_lse.shape == th
         if regular:
-            f.ol_end = el = end(pl, T, sl0, H, sl1, 1, 4)
-            widest = max(widest, (el - pl) >> 2)
+            n = (T - 1) * sl0 + (H - 1) * sl1 + 1
+            f.ol_end = pl + 4 * n
+            if n > widest:
+                widest = n
     f.a_cu = f.a_lens = f.a_batch = f.row_mask = f.sinks = f.out_scale = 0
     if cu is not None or lens is not None or mask is not None or scale is not None or sinks is not None:
         st_or |= _read_options(f, sig, cu, lens, mask, scale, sinks)
-    f.regular = regular and st_or >= 0
+    if bscale is None:
+        f.bscale = f.bs_st = f.bs_sg = 0
+        f.bs_shape = None
+        f.regular = regular and st_or >= 0
+    else:
+        f.regular = _read_block_scale(f, sig, bscale) and regular and st_or >= 0
     f.widest, f.strides_or = widest, st_or
     sig += (ok, torch)
     f.sig = tuple(sig)
     return f
 
 
+_VECTOR_BYTES = _layout.VECTOR_BYTES
+
+
+def _read_block_scale(f: Any, sig: list, bscale: Any) -> bool:
+    """The per-group fp8 scales' facts (out_block_scale, [T, groups], any strides); False when a
+    stride is negative."""
+    if bscale is None:
+        f.bscale = f.bs_st = f.bs_sg = 0
+        f.bs_shape = None
+        return True
+    f.bscale, f.bs_shape = bscale.data_ptr(), bscale.shape
+    f.bs_st, f.bs_sg = st = bscale.stride()
+    sig += ("bscale", bscale.dtype, bscale.get_device())
+    return min(st) >= 0
+
+
 def _read_options(f: TwoFacts, sig: list, cu, lens, mask, scale, sinks) -> int:
     """The option tensors' facts (a_empty's pair, row_mask, out_scale, sinks), each option's
     dtype and device (or None) into ``sig``; their strides OR-ed (negative when one is)."""
     neg = 0
-    if cu is not None:
-        f.a_cu, f.cu_len, f.cu_st = _one_d(cu)
-        f.a_batch = f.cu_len - 1
-        neg |= f.cu_st
-    if lens is not None:
-        f.a_lens, f.lens_len, f.lens_st = _one_d(lens)
-        neg |= f.lens_st
-    if mask is not None:
-        f.row_mask, f.mask_len, f.mask_st = _one_d(mask)
-        neg |= f.mask_st
-    if sinks is not None:
-        f.sinks, f.sinks_len, f.sinks_st = _one_d(sinks)
-        neg |= f.sinks_st
-    if scale is not None:
+    if cu is None:
+        sig.append(None)
+    else:
+        f.a_cu = cu.data_ptr()
+        (n,) = cu.shape
+        f.cu_len, f.a_batch = n, n - 1
+        f.cu_st = st = cu.stride()[0] if n else 1
+        neg |= st
+        sig += (cu.dtype, cu.get_device())
+    if lens is None:
+        sig.append(None)
+    else:
+        f.a_lens = lens.data_ptr()
+        (n,) = lens.shape
+        f.lens_len = n
+        f.lens_st = st = lens.stride()[0] if n else 1
+        neg |= st
+        sig += (lens.dtype, lens.get_device())
+    if mask is None:
+        sig.append(None)
+    else:
+        f.row_mask = mask.data_ptr()
+        (n,) = mask.shape
+        f.mask_len = n
+        f.mask_st = st = mask.stride()[0] if n else 1
+        neg |= st
+        sig += (mask.dtype, mask.get_device())
+    if scale is None:
+        sig.append(None)
+    else:
         f.out_scale, f.scale_len = scale.data_ptr(), _numel(scale.shape)
-    for x in (cu, lens, mask, scale, sinks):
-        sig += (None,) if x is None else (x.dtype, x.get_device())
+        sig += (scale.dtype, scale.get_device())
+    if sinks is None:
+        sig.append(None)
+    else:
+        f.sinks = sinks.data_ptr()
+        (n,) = sinks.shape
+        f.sinks_len = n
+        f.sinks_st = st = sinks.stride()[0] if n else 1
+        neg |= st
+        sig += (sinks.dtype, sinks.get_device())
     return neg
-
-
-def _one_d(x: Any) -> tuple[int, int, int]:
-    """(pointer, length, stride) of a 1-D tensor; ValueError for another rank."""
-    (n,) = x.shape
-    return x.data_ptr(), n, x.stride()[0] if n else 1
 
 
 def _numel(shape: tuple) -> int:
@@ -240,6 +293,7 @@ class NFacts:
         "v", "v_sn", "v_st", "v_sh", "v_in", "s", "s_sn", "s_st", "s_sh", "s_shape",
         "out", "out_st", "out_sh", "out_in", "out_shape", "olse", "ol_st", "ol_sh", "ol_shape",
         "N", "T", "H", "D", "sinks", "sinks_len", "sinks_st", "out_scale", "scale_len",
+        "bscale", "bs_st", "bs_sg", "bs_shape", "strides_or",
     )  # fmt: skip
 
 
@@ -255,20 +309,21 @@ def read_n(objs: tuple) -> NFacts | None:
         return None
 
 
-def _read_n(objs, torch, v, s, out, out_lse, scale, sinks) -> NFacts:
+def _read_n(objs, torch, v, s, out, out_lse, scale, sinks, bscale=None) -> NFacts:
+    # straight-line as _read_two (alignment as layout.aligned, written out)
     f = NFacts()
     f.objs, f.torch = objs, torch is True
     f.v = pv = v.data_ptr()
     f.N, f.T, f.H, f.D = v.shape
-    f.v_sn, f.v_st, f.v_sh, f.v_in = st = v.stride()
+    f.v_sn, f.v_st, f.v_sh, f.v_in = st0, st1, st2, st3 = v.stride()
     f.s, f.s_shape = s.data_ptr(), s.shape
-    f.s_sn, f.s_st, f.s_sh = sts = s.stride()
+    f.s_sn, f.s_st, f.s_sh = ss0, ss1, ss2 = s.stride()
     dv = v.dtype
     f.device = dev = v.get_device()
-    isz = _itemsize(dv)
-    w = _layout.vec(isz)
-    ok = _layout.aligned(pv, isz, w, st[0] | st[1] | st[2] | f.D)
-    neg = not torch and min(*st, *sts) < 0
+    isz = _ITEMSIZE.get(dv) or _itemsize(dv)
+    w = _VECTOR_BYTES // isz
+    ok = not (pv % _VECTOR_BYTES or (st0 | st1 | st2 | f.D) % w)
+    st_or = st1 | st2 | ss1 | ss2  # the token and head strides (the kernels' 32-bit parameters)
     sig = [dv, s.dtype, dev, s.get_device()]
     if out is None:
         f.out = f.out_st = f.out_sh = 0
@@ -276,10 +331,11 @@ def _read_n(objs, torch, v, s, out, out_lse, scale, sinks) -> NFacts:
         sig.append(None)
     else:
         f.out, f.out_shape = po, _ = out.data_ptr(), out.shape
-        f.out_st, f.out_sh, f.out_in = sto = out.stride()
+        f.out_st, f.out_sh, f.out_in = so0, so1, so2 = out.stride()
         do = out.dtype
-        ok = ok and _layout.aligned(po, _itemsize(do), w, sto[0] | sto[1])
-        neg = neg or (not torch and min(sto) < 0)
+        ok = ok and not (po % (w * (_ITEMSIZE.get(do) or _itemsize(do))) or (so0 | so1) % w)
+        st_or |= so0 | so1
+        st0 |= so2  # the inner stride: its sign only
         sig += (do, out.get_device())
     if out_lse is None:
         f.olse = f.ol_st = f.ol_sh = 0
@@ -287,8 +343,8 @@ def _read_n(objs, torch, v, s, out, out_lse, scale, sinks) -> NFacts:
         sig.append(None)
     else:
         f.olse, f.ol_shape = out_lse.data_ptr(), out_lse.shape
-        f.ol_st, f.ol_sh = stl = out_lse.stride()
-        neg = neg or (not torch and min(stl) < 0)
+        f.ol_st, f.ol_sh = sl0, sl1 = out_lse.stride()
+        st_or |= sl0 | sl1
         sig += (out_lse.dtype, out_lse.get_device())
     f.sinks = f.out_scale = 0
     if scale is not None:
@@ -298,7 +354,13 @@ def _read_n(objs, torch, v, s, out, out_lse, scale, sinks) -> NFacts:
         (f.sinks_len,) = sinks.shape
         f.sinks, f.sinks_st = sinks.data_ptr(), sinks.stride()[0] if f.sinks_len else 1
         sig += ("sinks", sinks.dtype, sinks.get_device())
-    f.neg = neg
+    if bscale is None:
+        f.bscale = f.bs_st = f.bs_sg = 0
+        f.bs_shape = None
+        f.neg = (st_or | st0 | st3 | ss0) < 0
+    else:
+        f.neg = not _read_block_scale(f, sig, bscale) or (st_or | st0 | st3 | ss0) < 0
+    f.strides_or = st_or
     sig += (ok, torch)
     f.sig = tuple(sig)
     return f
@@ -328,25 +390,35 @@ def read_rows(objs: tuple) -> RowsFacts | None:
 
 
 def _read_rows(objs, torch, out, lse, cu, lens) -> RowsFacts:
+    # straight-line as _read_two (alignment as layout.aligned, written out)
     f = RowsFacts()
     f.objs, f.torch = objs, torch is True
     f.out = po = out.data_ptr()
     f.T, f.H, f.D = T, H, D = out.shape
-    f.out_st, f.out_sh, f.out_in = st = out.stride()
+    f.out_st, f.out_sh, f.out_in = st0, st1, st2 = out.stride()
     f.lse, f.lse_shape = lse.data_ptr(), lse.shape
-    f.lse_st, f.lse_sh = stl = lse.stride()
-    (f.cu_len,), (f.lens_len,) = cu.shape, lens.shape
+    f.lse_st, f.lse_sh = sl0, sl1 = lse.stride()
+    (f.cu_len,), (f.lens_len,) = (n,), (m,) = cu.shape, lens.shape
     f.cu_q, f.lens = cu.data_ptr(), lens.data_ptr()
-    f.cu_st = cu.stride()[0] if f.cu_len else 1
-    f.lens_st = lens.stride()[0] if f.lens_len else 1
-    f.batch = f.cu_len - 1
-    f.flat = int(st[1] == D and st[0] == H * D)
+    f.cu_st = sc = cu.stride()[0] if n else 1
+    f.lens_st = sn = lens.stride()[0] if m else 1
+    f.batch = n - 1
+    f.flat = int(st1 == D and st0 == H * D)
     do = out.dtype
     f.device = dev = out.get_device()
-    isz = _itemsize(do)
-    w = _layout.vec(isz)
-    ok = _layout.aligned(po, isz, w, st[0] | st[1] | D)
-    f.neg = not torch and min(*st, *stl, f.cu_st, f.lens_st) < 0
-    devices = (dev, lse.get_device(), cu.get_device(), lens.get_device())
-    f.sig = (do, lse.dtype, cu.dtype, lens.dtype, *devices, ok, torch)
+    isz = _ITEMSIZE.get(do) or _itemsize(do)
+    ok = not (po % _VECTOR_BYTES or (st0 | st1 | D) % (_VECTOR_BYTES // isz))
+    f.neg = (st0 | st1 | st2 | sl0 | sl1 | sc | sn) < 0
+    f.sig = (
+        do,
+        lse.dtype,
+        cu.dtype,
+        lens.dtype,
+        dev,
+        lse.get_device(),
+        cu.get_device(),
+        lens.get_device(),
+        ok,
+        torch,
+    )
     return f

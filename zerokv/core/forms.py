@@ -57,6 +57,7 @@ class Form(NamedTuple):
     H_mul: int = 0  # noqa: N815 - the kernel's parameter name
     H_shr: int = 0  # noqa: N815
     lanes: int = 0
+    g_shr: int = 0  # per-group fp8: log2 of the packs of one group
 
 
 class MergeCall(NamedTuple):
@@ -73,6 +74,8 @@ class MergeCall(NamedTuple):
     fits32: bool  # every tensor's span, in elements, and T * H * D below 2^31
     strides32: bool  # every stride fits a 32-bit parameter
     lse_tiles: bool  # the LSE written (else the first read) has unit stride along tokens only
+    a64: bool = False  # a_empty's offsets are int64
+    quant_group: int = 0  # per-group fp8: values of one group (a power of two, 16-128)
 
 
 def _div(d: int) -> tuple[int, int]:
@@ -172,6 +175,45 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+# An option on the flat family: its feature bit (kernels_cu/merge.cu, FEAT); the options with an
+# fp8 output, and those whose kernels exist for inputs and output of one dtype.
+_FEATURE_BITS = {
+    "a_empty": _kernels.F_A_EMPTY,
+    "sinks": _kernels.F_SINKS,
+    "row_mask": _kernels.F_ROW_MASK,
+    "out_scale": _kernels.F_OUT_SCALE,
+    "group_fp8": _kernels.F_GROUP_FP8,
+}
+_FP8_FEATURES = frozenset({"out_scale", "group_fp8"})
+
+
+def flat_options(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> Form | None:
+    """The flat family with one option compiled in (FEAT): every size class, both index
+    widths, both LSE layouts. Inputs and output of one dtype (an fp8 output for out_scale and
+    per-group fp8); None otherwise (several options: the row-group kernel)."""
+    if len(c.features) != 1:
+        return None
+    (name,) = c.features
+    fp8 = name in _FP8_FEATURES
+    if fp8 != (c.out_dtype in _dtypes.FP8) or (not fp8 and c.in_dtype != c.out_dtype):
+        return None
+    feat = _FEATURE_BITS[name] | (_kernels.F_A64 if name == "a_empty" and c.a64 else 0)
+    form = flat_family(c, dev, ctypes, (feat,))
+    if form is None and name == "group_fp8" and not c.inplace_lse and c.D and c.vec > 1:
+        # strides past 32 bits with spans that fit: the 64-bit form takes them
+        threads = c.T * c.H * (c.D // c.vec)
+        if threads < INT32:
+            k = _kernels.MERGE_STATE_FLAT64_GATHERED
+            form = _flat_form(k, (*ctypes, c.vec, feat), (threads, c.D // c.vec, c.T * c.H), c.H)
+    if form is None:
+        return None
+    if form.kernel is _kernels.MERGE_STATE_FLAT:  # with options, SMALL = 1 stands for both
+        form = form._replace(targs=(*form.targs[:3], 1, feat))
+    if name == "group_fp8":
+        form = form._replace(g_shr=(c.quant_group // form.targs[2]).bit_length() - 1)
+    return form
+
+
 class MergeForm(NamedTuple):
     """A row of the merge form table: the form's rule, and the options its kernels take."""
 
@@ -183,6 +225,7 @@ class MergeForm(NamedTuple):
 
 MERGE_FORMS: tuple[MergeForm, ...] = (
     MergeForm("flat", flat_family, frozenset()),
+    MergeForm("flat, one option", flat_options, frozenset(_FEATURE_BITS)),
     MergeForm("rows", _rows, frozenset({"a_empty", "row_mask", "sinks", "out_scale"})),
 )
 
@@ -194,6 +237,11 @@ def merge_two(c: MergeCall, dev: Device, ctypes: tuple) -> Form:
             form = row.rule(c, dev, ctypes, row.flags(c.features))
             if form is not None:
                 return form
+    if "group_fp8" in c.features:  # the row-group kernel has no per-group fp8
+        raise ValueError(
+            "out_block_scale: no kernel form takes this call (per-group fp8 output with other options,"
+            " or unaligned tensors past 2^31 elements)"
+        )
     raise AssertionError("MERGE_FORMS: the last row takes every call")  # pragma: no cover
 
 
@@ -205,11 +253,22 @@ def merge_states_lanes(packs: int, rows: int, dev: Device) -> int:
     return lanes
 
 
-def merge_states(N: int, T: int, H: int, D: int, vec: int, dev: Device, targs: tuple) -> Form:
-    """merge_states_kernel's launch (N = 2 without options takes ``merge_two``'s forms)."""
+def merge_states(N: int, T: int, H: int, D: int, vec: int, dev: Device, targs: tuple, group: int = 0) -> Form:
+    """merge_states_kernel's launch (N = 2 without options takes ``merge_two``'s forms).
+    ``group``: per-group fp8, its values a group; a row group holds at least a group's packs
+    (at most a warp of them: ValueError past it, unaligned calls with groups over 32 values)."""
     lanes = merge_states_lanes(D // vec, T * H, dev)
+    g_shr = 0
+    if group:
+        packs = group // vec
+        if packs > 32:
+            raise ValueError(
+                f"quant_group: merge_states of states not aligned to 16 bytes takes groups of at most 32 values,"
+                f" got {group}"
+            )
+        lanes, g_shr = max(lanes, packs), packs.bit_length() - 1
     k = _kernels.MERGE_STATES
-    return Form(k, targs, _ceil(T * H * lanes, k.block), lanes=lanes)
+    return Form(k, targs, _ceil(T * H * lanes, k.block), lanes=lanes, g_shr=g_shr)
 
 
 def empty_rows_grid(T: int, H: int, D: int, vec: int, dev: Device) -> int:

@@ -145,21 +145,49 @@ MERGE_STATE = Kernel(
     ),
 )
 
+# Option features of the tuned merge forms (FEAT, their last template argument; kernels_cu/merge.cu):
+# a bitmask, absent (0) for the plain call. Each feature comes alone on the forms of every size
+# class, for inputs and output of one dtype (fp8 outputs: from each input dtype); calls with
+# several options, or another pair of dtypes, take merge_state_kernel.
+F_A_EMPTY, F_A64, F_SINKS, F_ROW_MASK, F_OUT_SCALE, F_GROUP_FP8 = 1, 2, 4, 8, 16, 32
+# with F_A_EMPTY: v_a loaded after the request search, only for the rows that use it (measured
+# slower than loading it with v_b; the gathered forms keep it for the benchmark's comparison)
+F_A_SKIP = 64
+SAME_DTYPE_FEATURES = (F_A_EMPTY, F_A_EMPTY | F_A64, F_SINKS, F_ROW_MASK)
+FP8_FEATURES = (F_OUT_SCALE, F_GROUP_FP8)
+SKIP_FEATURES = (F_A_EMPTY | F_A_SKIP, F_A_EMPTY | F_A64 | F_A_SKIP)
+_FP8 = _dtypes.ctype("float8_e4m3fn")
+
+
+def feature_pairs(ci: str, skip: bool = False) -> list[tuple[str, int]]:
+    """(output C type, FEAT) of every option feature instantiated for input C type ``ci``
+    (``skip``: with a_empty's F_A_SKIP variants)."""
+    same = SAME_DTYPE_FEATURES + (SKIP_FEATURES if skip else ())
+    return [(ci, f) for f in same] + [(_FP8, f) for f in FP8_FEATURES]
+
+
+_OPTION_PARAMS = (
+    " ptr a_cu, ptr a_lens, i32 a_batch, ptr row_mask, ptr sinks, ptr out_scale,"
+    " ptr bscale, i32 bs_st, i32 bs_sg, i32 g_shr, i32 ue8m0"
+)
+
 # The common call in its smallest form: one thread per pack, 32-bit parameters (kernels_cu/merge.cu).
 MERGE_STATE_FLAT = Kernel(
     stem="merge",
     name="merge_state_flat_kernel",
-    # no fp8 output; SMALL: 1 for grids of one wave (merge.py picks)
+    # plain: no fp8 output; SMALL: 1 for grids of one wave (merge.py picks); then the options
     instances=tuple(
         (ci, co, v, small) for ci, i in _V for co, _ in _V for v in (1, vec(i)) for small in (0, 1)
-    ),
+    )
+    # with option features (FEAT, nonzero) no thread returns early: SMALL = 1 stands for both
+    + tuple((ci, co, v, 1, f) for ci, i in _V for co, f in feature_pairs(ci) for v in (1, vec(i))),
     block=128,
     params=_params(
         "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, i32 H, i32 packs,"
         " u32 packs_mul, i32 packs_shr, u32 H_mul, i32 H_shr,"
         " i32 sa_st, i32 sa_sh, i32 sb_st, i32 sb_sh, i32 va_st, i32 va_sh, i32 vb_st, i32 vb_sh,"
         " i32 out_st, i32 out_sh, i32 ol_st, i32 ol_sh, i32 prefix_rows, i32 suffix_verbatim,"
-        " f32 k, f32 inv_k"
+        " f32 k, f32 inv_k," + _OPTION_PARAMS
     ),
 )
 
@@ -175,6 +203,12 @@ MERGE_STATE_HEADS = Kernel(
         for ci, i in _V
         for co, _ in _V
         for v in (vec(i), *((vec(i) // 2,) if vec(i) == 8 else ()))
+    )
+    + tuple(
+        (ci, co, v, f)
+        for ci, i in _V
+        for co, f in feature_pairs(ci)
+        for v in (vec(i), *((vec(i) // 2,) if i == "bfloat16" else ()))
     ),
     block=128,
     params=tuple(
@@ -188,7 +222,10 @@ MERGE_STATE_HEADS = Kernel(
 MERGE_STATE_FLAT_GATHERED = Kernel(
     stem="merge",
     name="merge_state_flat_gathered_kernel",
-    instances=tuple((ci, co, vec(i), tile) for ci, i in _V for co, _ in _V for tile in (0, 1)),
+    instances=tuple((ci, co, vec(i), tile) for ci, i in _V for co, _ in _V for tile in (0, 1))
+    + tuple(
+        (ci, co, vec(i), tile, f) for ci, i in _V for co, f in feature_pairs(ci, skip=True) for tile in (0, 1)
+    ),
     block=512,
     params=MERGE_STATE_FLAT.params,
 )
@@ -197,9 +234,10 @@ MERGE_STATE_FLAT_GATHERED = Kernel(
 MERGE_STATE_FLAT64_GATHERED = Kernel(
     stem="merge",
     name="merge_state_flat64_gathered_kernel",
-    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V),
+    instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V)
+    + tuple((ci, co, vec(i), f) for ci, i in _V for co, f in feature_pairs(ci)),
     block=512,
-    params=tuple((n, "i64" if n.endswith(("_st", "_sh")) else c) for n, c in MERGE_STATE_FLAT.params),
+    params=tuple((n, "i64" if n.endswith(("_st", "_sh", "_sg")) else c) for n, c in MERGE_STATE_FLAT.params),
 )
 
 MERGE_STATES = Kernel(
@@ -211,7 +249,7 @@ MERGE_STATES = Kernel(
         "ptr v, i64 v_sn, i64 v_st, i64 v_sh, ptr s, i64 s_sn, i64 s_st, i64 s_sh,"
         " ptr out, i64 out_st, i64 out_sh, ptr olse, i64 ol_st, i64 ol_sh,"
         " i64 N, i64 T, i64 H, i64 D, i64 lanes, ptr sinks,"
-        " f32 k, f32 inv_k, ptr out_scale"
+        " f32 k, f32 inv_k, ptr out_scale, ptr bscale, i64 bs_st, i64 bs_sg, i64 g_shr, i64 ue8m0"
     ),
 )
 

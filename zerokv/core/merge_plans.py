@@ -21,7 +21,8 @@ from . import forms as _forms
 from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
-from .layout import INT32, apart, apart_all, distinct, extent, vec
+from .layout import INT32, apart, apart_all, distinct, end, extent, vec
+from .tensors import torch_tensor_type
 
 _FORM_CACHE_LIMIT = 4096  # distinct (T, H, D, layout) entries a plan keeps; past it, it starts again
 
@@ -29,7 +30,7 @@ _FORM_CACHE_LIMIT = 4096  # distinct (T, H, D, layout) entries a plan keeps; pas
 class Consts:
     """A plan's launch parameters that hold for every call of its signature."""
 
-    __slots__ = ("k", "inv_k", "suffix_verbatim", "a_is64", "prefix_rows")
+    __slots__ = ("k", "inv_k", "suffix_verbatim", "a_is64", "prefix_rows", "ue8m0")
 
 
 _binders: dict = {}
@@ -59,7 +60,7 @@ class Plan:
         self.forms: dict = {}
         c = self.consts = Consts()
         c.k, c.inv_k = _checks.LSE_BASES[v["base"]]
-        c.suffix_verbatim = c.a_is64 = 0
+        c.suffix_verbatim = c.a_is64 = c.ue8m0 = 0
         self.torch = torch
         self.stream = _device.torch_stream if torch else _device.cupy_stream
         if torch:
@@ -74,57 +75,61 @@ class Plan:
             return self.empty(shape, dtype=self.t_f32 if lse else self.t_out, device=self.alloc_device)
         return _outputs.new(f.objs[0], False, self.device, shape, "float32" if lse else self.out_dtype)
 
-    def launch(self, key: tuple, build: Any, f: Any) -> None:
-        """Launch the form of ``key`` (the facts that choose it), built by ``build(key)`` ->
-        ``(form, facts class, adapt)`` on its first call; ``adapt``: None, or turns ``f`` into
-        the facts the form's kernel reads."""
-        entry = self.forms.get(key)
-        if entry is None:
-            form, facts_cls, adapt = build(key)
-            launcher = _plans.launcher(form.kernel, form.targs, self.device)
-            entry = (form, launcher, _binder(form.kernel, facts_cls), adapt)
-            if len(self.forms) >= _FORM_CACHE_LIMIT:
-                self.forms.clear()
-            self.forms[key] = entry
-        form, launcher, bind, adapt = entry
-        if adapt is not None:
-            f = adapt(f)
-        launcher.launch(form.grid, form.grid_y, self.stream(self.device), bind, f, form, self.consts)
+    def new_form(self, key: tuple, build: Any) -> tuple:
+        """The cache entry ``(form, launcher, binder, adapt)`` of ``key`` (the facts that choose
+        the form), from ``build(key)`` -> ``(form, facts class, adapt)`` on its first call;
+        ``adapt``: None, or turns the call's facts into those the form's kernel reads."""
+        form, facts_cls, adapt = build(key)
+        launcher = _plans.launcher(form.kernel, form.targs, self.device)
+        entry = (form, launcher, _binder(form.kernel, facts_cls), adapt)
+        if len(self.forms) >= _FORM_CACHE_LIMIT:
+            self.forms.clear()
+        self.forms[key] = entry
+        return entry
 
 
 # --- two-way -----------------------------------------------------------------------------------
 
-_FEATURES = ("a_empty", "row_mask", "out_scale", "sinks")
+_FEATURES = ("a_empty", "row_mask", "out_scale", "sinks", "group_fp8")
 
 
 def two(
     v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks,
-    row_mask=None, suffix_verbatim=False, allocate_lse=None, names=None, lse_ht=None,
+    row_mask=None, suffix_verbatim=False, allocate_lse=None, names=None,
+    out_block_scale=None, quant_group=None, scale_format="float32", lse_ht=None,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The two-way merge of ``merge.merge_two``'s arguments (``names``: the caller's names of
-    the arguments, for messages). ``lse_ht``: the LSEs are ``[H, T]`` tensors, read as their
+    the arguments, for messages; ``out_block_scale``, ``quant_group``, ``scale_format``: the
+    per-group fp8 output). ``lse_ht``: the LSEs are ``[H, T]`` tensors, read as their
     transposes; a function ``(lse, name) -> [T, H] view`` for the full checks (the adapter's
     messages)."""
     if a_empty is None:
         cu = lens = None
+    elif type(a_empty) is tuple and len(a_empty) == 2:
+        cu, lens = a_empty
     else:
         cu, lens = _checks.pair(a_empty, names.get("a_empty", "a_empty") if names else "a_empty")
     objs = (v_a, s_a, v_b, s_b, out, out_lse, cu, lens, row_mask, out_scale, sinks)
+    if out_block_scale is not None:
+        objs += (out_block_scale,)
     scalars = (
         lse_base, prefix_rows is None, suffix_verbatim, out is None if allocate_lse is None else allocate_lse,
-        lse_ht is not None,
+        (quant_group, scale_format), lse_ht is not None,
     )  # fmt: skip
     f = _facts.read_two(objs, lse_ht is not None)
     if f is None or f.device < 0:
         return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
-    key = (scalars, f.sig)
     try:
-        plan = _plans.get(key)
+        plan = _plans.get((scalars, f.sig))
     except TypeError:  # an unhashable lse_base (an array): the plan's build names it
         plan = None
-    if plan is None:
-        plan = _plans.lookup(key, lambda: TwoPlan(f, scalars, prefix_rows, names, lse_ht))
+    plan = plan or _new_plan(f, scalars, prefix_rows, names, lse_ht)
     return plan(f, prefix_rows, names, scalars, lse_ht)
+
+
+def _new_plan(f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: Any, lse_ht: Any) -> TwoPlan:
+    """The plan of a signature met for the first time (built once, under the plans' lock)."""
+    return _plans.lookup((scalars, f.sig), lambda: TwoPlan(f, scalars, prefix_rows, names, lse_ht))
 
 
 def _th_views(objs: tuple, lse_ht: Any, names: dict | None) -> tuple:
@@ -142,7 +147,7 @@ def _cpu_two(
     objs: tuple, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any
 ) -> tuple[Any, Any]:
     objs = _th_views(objs, lse_ht, names)
-    v = _merge_checks.two(objs, scalars[0], prefix_rows, names)
+    v = _merge_checks.two(objs, scalars[0], prefix_rows, names, scalars[4])
     host_only(v["device"])
     va, T, H, D = v["va"], v["T"], v["H"], v["D"]
     out, out_lse, o, ol = objs[4], objs[5], v["out"], v["out_lse"]
@@ -169,17 +174,21 @@ class TwoPlan(Plan):
         self, f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any
     ) -> None:
         v = _merge_checks.two(
-            _th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names
+            _th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4]
         )  # every check, once
         self._setup(v, v["va"].dtype, v["out"], f.sig[-2], f.torch)
-        given = (v["cu"], v["mask"], v["scale"], v["sinks"])
+        given = (v["cu"], v["mask"], v["scale"], v["sinks"], v["block_scale"])
         self.features = frozenset(n for n, x in zip(_FEATURES, given, strict=True) if x is not None)
+        self.options = tuple(n in self.features for n in ("a_empty", "row_mask", "sinks", "out_scale"))
         self.consts.suffix_verbatim = int(bool(scalars[2]))
         self.consts.a_is64 = int(v["cu"] is not None and v["cu"].dtype == "int64")
+        self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
+        self.quant_group = v["quant_group"] if v["block_scale"] is not None else 0
         self.idx_size = 8 if self.consts.a_is64 else 4
         self.mask_size = 1
         self.allocate_lse = scalars[3]
         self.may_alias = self.in_dtype == self.out_dtype  # an exact alias of v_a / v_b
+        self.tensor_type = torch_tensor_type()
 
     def __call__(self, f: _facts.TwoFacts, prefix_rows: Any, names: dict | None, scalars: tuple, lse_ht: Any):
         T, H, D = f.T, f.H, f.D
@@ -190,7 +199,7 @@ class TwoPlan(Plan):
         if self.check(f):
             widest, s32 = f.widest, f.strides_or < INT32
         else:  # something the cheap check does not decide: the full checks do
-            _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names)
+            _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4])
             f.prefix_rows = T if prefix_rows is None else prefix_rows
             widest, s32 = _exact_two(f, self)
         objs = f.objs
@@ -203,16 +212,22 @@ class TwoPlan(Plan):
             f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else ptr(out_lse), H, 1
         if T * H == 0:
             return out, out_lse
-        inplace = f.olse != 0 and (f.olse == f.sa or f.olse == f.sb)
-        tiles = f.ol_st == 1 and f.ol_sh != 1 if f.olse else f.sa_st == 1 and f.sa_sh != 1
-        self.launch((T, H, D, inplace, widest < INT32, s32, tiles), self._form, f)
+        pl = f.olse
+        if pl:
+            inplace, tiles = pl == f.sa or pl == f.sb, f.ol_st == 1 and f.ol_sh != 1
+        else:
+            inplace, tiles = False, f.sa_st == 1 and f.sa_sh != 1
+        key = (T, H, D, inplace, widest < INT32, s32, tiles)
+        form, launcher, bind, _ = self.forms.get(key) or self.new_form(key, self._form)
+        launcher.launch(form.grid, form.grid_y, self.stream(self.device), bind, f, form, self.consts)
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
         T, H, D, inplace, fits, s32, tiles = key
         c = _forms.MergeCall(
-            T, H, D, self.vec, self.in_dtype, self.out_dtype, self.features, inplace, fits, s32, tiles
-        )
+            T, H, D, self.vec, self.in_dtype, self.out_dtype, self.features, inplace, fits, s32, tiles,
+            bool(self.consts.a_is64), self.quant_group,
+        )  # fmt: skip
         return _forms.merge_two(c, self.dev, self.ctypes), _facts.TwoFacts, None
 
     def check(self, f: _facts.TwoFacts) -> bool:
@@ -221,21 +236,45 @@ class TwoPlan(Plan):
         inputs (or exactly one they may alias). False: the full checks decide."""
         if not f.regular or f.prefix_rows < 0 or (self.features and not self.check_options(f)):
             return False
-        objs, spans = f.objs, f.spans
-        if objs[4] is not None:
-            po, eo = f.out, f.out_end
-            if not _facts.writable_cheap(objs[4]) or not distinct(f.T, f.out_st, f.H, f.out_sh, f.D):
+        objs, spans, tt, T, H = f.objs, f.spans, self.tensor_type, f.T, f.H
+        o = objs[4]
+        if o is not None:
+            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
+                return False  # writable_cheap's torch case written out first (the common output)
+            po, eo, st0, st1, D = f.out, f.out_end, f.out_st, f.out_sh, f.D
+            if not (
+                (H <= 1 or st1 >= D) and (T <= 1 or st0 >= (H - 1) * st1 + D) or distinct(T, st0, H, st1, D)
+            ):  # distinct's row-major case written out first
                 return False
-            if not (apart_all(po, eo, spans) or self.alias_v(f, spans)):
+            for lo, hi in spans:  # apart_all, written out
+                if lo < eo and po < hi:
+                    if not self.alias_v(f, spans):
+                        return False
+                    break
+        o = objs[5]
+        if o is not None:
+            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
                 return False
-        if objs[5] is not None:
-            pl, el = f.olse, f.ol_end
-            if not _facts.writable_cheap(objs[5]) or not distinct(f.T, f.ol_st, f.H, f.ol_sh, 1):
+            pl, el, st0, st1 = f.olse, f.ol_end, f.ol_st, f.ol_sh
+            if not (
+                (H <= 1 or st1 >= 1) and (T <= 1 or st0 >= (H - 1) * st1 + 1) or distinct(T, st0, H, st1, 1)
+            ):
                 return False
-            if not (apart_all(pl, el, spans) or self.alias_s(f, spans)):
-                return False
+            for lo, hi in spans:
+                if lo < el and pl < hi:
+                    if not self.alias_s(f, spans):
+                        return False
+                    break
             if objs[4] is not None and not apart(pl, el, po, eo):
                 return False
+        if f.bscale:  # the per-group fp8 scales: apart from every other tensor of the call
+            spans = spans + [(f.out, f.out_end)] if objs[4] is not None else list(spans)
+            if objs[5] is not None:
+                spans.append((f.olse, f.ol_end))
+            widest = block_scale_check(f, objs[11], self.quant_group, spans, f.widest)
+            if widest < 0:
+                return False
+            f.widest = widest
         return True
 
     def alias_v(self, f: _facts.TwoFacts, spans: list) -> bool:
@@ -259,25 +298,43 @@ class TwoPlan(Plan):
 
     def check_options(self, f: _facts.TwoFacts) -> bool:
         """The option tensors: lengths, unit strides; their byte ranges join ``f.spans``."""
-        T, H, spans, has = f.T, f.H, f.spans, self.features
-        if "a_empty" in has:
+        T, H, spans = f.T, f.H, f.spans
+        a_empty, row_mask, sinks, out_scale = self.options
+        if a_empty:
             n = f.cu_len
             if n < 1 or f.lens_len != n - 1 or (n > 1 and f.cu_st != 1) or (n > 2 and f.lens_st != 1):
                 return False
-            spans += [(f.a_cu, f.a_cu + n * self.idx_size), (f.a_lens, f.a_lens + (n - 1) * self.idx_size)]
-        if "row_mask" in has:
+            pc, pn, isz = f.a_cu, f.a_lens, self.idx_size
+            spans += ((pc, pc + n * isz), (pn, pn + (n - 1) * isz))
+        if row_mask:
             if f.mask_len != T or (T > 1 and f.mask_st != 1):
                 return False
             spans.append((f.row_mask, f.row_mask + T * self.mask_size))
-        if "sinks" in has:
+        if sinks:
             if f.sinks_len != H or (H > 1 and f.sinks_st != 1):
                 return False
             spans.append((f.sinks, f.sinks + 4 * H))
-        if "out_scale" in has:
+        if out_scale:
             if f.scale_len != 1:
                 return False
             spans.append((f.out_scale, f.out_scale + 4))
         return True
+
+
+def block_scale_check(f: Any, obj: Any, group: int, spans: list, widest: int) -> int:
+    """out_block_scale's cheap check: shape ``[T, H * D / group]``, writable, its elements
+    distinct, apart from every other tensor of the call (``spans``); -1 when it fails."""
+    T = f.T
+    if not group or f.D % group:
+        return -1
+    G = f.H * f.D // group
+    if f.bs_shape != (T, G) or not _facts.writable_cheap(obj) or not distinct(T, f.bs_st, G, f.bs_sg, 1):
+        return -1
+    pb = f.bscale
+    eb = end(pb, T, f.bs_st, G, f.bs_sg, 1, 4)
+    if not apart_all(pb, eb, spans):
+        return -1
+    return max(widest, (eb - pb) // 4)
 
 
 def ptr(x: Any) -> int:

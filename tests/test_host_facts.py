@@ -1,0 +1,104 @@
+"""The readers' straight-line arithmetic against the one home of each fact (core/layout.py).
+
+``facts.read_two`` / ``read_n`` / ``read_rows`` write the byte ends, the widest span and the
+vector alignment out instead of calling ``layout`` (the per-call path); here random strided
+layouts, offsets and LSE orientations are read and every derived fact is compared with what
+``layout.end`` / ``layout.extent`` / ``layout.aligned`` give for the same tensor.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from zerokv.core import facts as _facts
+from zerokv.core import layout as _layout
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _strided(rng, T, H, D, dtype, pad_h, pad_t, offset):
+    """A [T, H, D] view of a larger buffer: head and token strides padded, start offset."""
+    sh = D + pad_h
+    st = H * sh + pad_t
+    base = torch.randn(offset + T * st + 8, dtype=torch.float32).to(dtype)
+    return base.as_strided((T, H, D), (st, sh, 1), offset)
+
+
+def _lse(rng, T, H, ht, pad, offset):
+    """A [T, H] float32 LSE view, or with ``ht`` the [H, T] buffer vLLM keeps."""
+    if ht:
+        base = torch.randn(offset + H * (T + pad) + 4)
+        return base.as_strided((H, T), (T + pad, 1), offset)
+    base = torch.randn(offset + T * (H + pad) + 4)
+    return base.as_strided((T, H), (H + pad, 1), offset)
+
+
+def _end(t, lse_ht=False):
+    """``layout.end`` of a tensor (an [H, T] LSE read as its transpose)."""
+    if t.dim() == 2:
+        st = t.stride()[::-1] if lse_ht else t.stride()
+        n = t.shape[::-1] if lse_ht else t.shape
+        return _layout.end(t.data_ptr(), n[0], st[0], n[1], st[1], 1, 4)
+    T, H, D = t.shape
+    return _layout.end(t.data_ptr(), T, t.stride(0), H, t.stride(1), D, t.element_size())
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_read_two_ends_widest_and_alignment_are_the_layout_functions(seed):
+    rng = random.Random(seed)
+    T, H, D = rng.randint(1, 40), rng.randint(1, 9), rng.choice((8, 16, 64, 128))
+    dtype, ht = rng.choice(DTYPES), rng.random() < 0.3
+
+    def v():
+        return _strided(
+            rng, T, H, D, dtype, rng.choice((0, 0, 8, 3)), rng.choice((0, 8, 5)), rng.choice((0, 8, 1))
+        )
+
+    def s():
+        return _lse(rng, T, H, ht, rng.choice((0, 3)), rng.choice((0, 1)))
+
+    va, vb, out, sa, sb, ol = v(), v(), v(), s(), s(), s()
+    f = _facts.read_two((va, sa, vb, sb, out, ol, None, None, None, None, None), ht)
+    assert f.regular
+    ins = [va, vb, sa, sb]
+    want_spans = [(t.data_ptr(), _end(t, ht and t.dim() == 2)) for t in ins]
+    assert f.spans == want_spans
+    assert (f.out_end, f.ol_end) == (_end(out), _end(ol, ht))
+    spans = [_layout.extent(t.data_ptr(), t.shape, t.stride(), t.element_size()) for t in (*ins, out, ol)]
+    widest = max(
+        T * H * D,
+        *((hi - lo) // t.element_size() for (lo, hi), t in zip(spans, (*ins, out, ol), strict=True)),
+    )
+    assert f.widest == widest
+    w = _layout.vec(va.element_size())
+    aligned = all(
+        _layout.aligned(
+            t.data_ptr(), t.element_size(), w, t.stride(0) | t.stride(1) | (D if t is not out else 0)
+        )
+        for t in (va, vb, out)
+    )
+    assert f.sig[-2] == aligned
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_read_n_and_read_rows_alignment_is_layout_aligned(seed):
+    rng = random.Random(seed)
+    N, T, H, D = rng.randint(1, 4), rng.randint(1, 30), rng.randint(1, 8), rng.choice((8, 16, 128))
+    dtype = rng.choice(DTYPES)
+    off = rng.choice((0, 1, 8))
+    v = torch.randn(off + N * T * H * (D + 8) + 8).to(dtype)
+    v = v.as_strided((N, T, H, D), (T * H * (D + 8), H * (D + 8), D + 8, 1), off)
+    s = torch.randn(N, T, H)
+    f = _facts.read_n((v, s, None, None, None, None))
+    w = _layout.vec(v.element_size())
+    st = v.stride()
+    assert f.sig[-2] == _layout.aligned(v.data_ptr(), v.element_size(), w, st[0] | st[1] | st[2] | D)
+    assert not f.neg and f.strides_or == st[1] | st[2] | s.stride(1) | s.stride(2)
+    out = _strided(rng, T, H, D, dtype, rng.choice((0, 8, 3)), 0, off)
+    cu, lens = torch.tensor([0, T], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
+    r = _facts.read_rows((out, torch.randn(T, H), cu, lens))
+    want = _layout.aligned(out.data_ptr(), out.element_size(), w, out.stride(0) | out.stride(1) | D)
+    assert r.sig[-2] == want and not r.neg
