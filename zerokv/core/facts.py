@@ -222,29 +222,23 @@ def _read_options(f: TwoFacts, sig: list, cu, lens, mask, scale, sinks) -> int:
     if cu is None:
         sig.append(None)
     else:
-        f.a_cu = cu.data_ptr()
         (n,) = cu.shape
-        f.cu_len, f.a_batch = n, n - 1
-        f.cu_st = st = cu.stride()[0] if n else 1
-        neg |= st
+        f.a_cu, f.cu_len, f.a_batch, f.cu_st = cu.data_ptr(), n, n - 1, cu.stride()[0] if n else 1
+        neg |= f.cu_st
         sig += (cu.dtype, cu.get_device())
     if lens is None:
         sig.append(None)
     else:
-        f.a_lens = lens.data_ptr()
         (n,) = lens.shape
-        f.lens_len = n
-        f.lens_st = st = lens.stride()[0] if n else 1
-        neg |= st
+        f.a_lens, f.lens_len, f.lens_st = lens.data_ptr(), n, lens.stride()[0] if n else 1
+        neg |= f.lens_st
         sig += (lens.dtype, lens.get_device())
     if mask is None:
         sig.append(None)
     else:
-        f.row_mask = mask.data_ptr()
         (n,) = mask.shape
-        f.mask_len = n
-        f.mask_st = st = mask.stride()[0] if n else 1
-        neg |= st
+        f.row_mask, f.mask_len, f.mask_st = mask.data_ptr(), n, mask.stride()[0] if n else 1
+        neg |= f.mask_st
         sig += (mask.dtype, mask.get_device())
     if scale is None:
         sig.append(None)
@@ -254,11 +248,9 @@ def _read_options(f: TwoFacts, sig: list, cu, lens, mask, scale, sinks) -> int:
     if sinks is None:
         sig.append(None)
     else:
-        f.sinks = sinks.data_ptr()
         (n,) = sinks.shape
-        f.sinks_len = n
-        f.sinks_st = st = sinks.stride()[0] if n else 1
-        neg |= st
+        f.sinks, f.sinks_len, f.sinks_st = sinks.data_ptr(), n, sinks.stride()[0] if n else 1
+        neg |= f.sinks_st
         sig += (sinks.dtype, sinks.get_device())
     return neg
 
@@ -395,16 +387,6 @@ def _read_rows(objs, torch, out, lse, cu, lens) -> RowsFacts:
     isz = _ITEMSIZE.get(do) or _itemsize(do)
     ok = not (po % _VECTOR_BYTES or (st0 | st1 | D) % (_VECTOR_BYTES // isz))
     f.neg = (st0 | st1 | st2 | sl0 | sl1 | sc | sn) < 0
-    f.sig = (
-        do,
-        lse.dtype,
-        cu.dtype,
-        lens.dtype,
-        dev,
-        lse.get_device(),
-        cu.get_device(),
-        lens.get_device(),
-        ok,
-        torch,
-    )
+    devices = (dev, lse.get_device(), cu.get_device(), lens.get_device())
+    f.sig = (do, lse.dtype, cu.dtype, lens.dtype, *devices, ok, torch)
     return f
