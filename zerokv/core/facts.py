@@ -90,19 +90,23 @@ def read_two(objs: tuple, lse_ht: bool = False) -> TwoFacts | None:
     rank (the full validation then says which). ``lse_ht``: the LSEs are ``[H, T]`` tensors,
     read as their ``[T, H]`` transposes (no view made)."""
     try:
-        return _read_two(objs, True, lse_ht, *objs)  # torch tensors: any other object has no data_ptr
+        return _read_two(objs, True, lse_ht, objs)  # torch tensors: any other object has no data_ptr
     except (AttributeError, TypeError, ValueError):
         pass
     try:
         gen = tuple(generic(x) for x in objs)
-        return _read_two(objs, all(type(x) is not _Generic for x in gen), lse_ht, *gen)
+        return _read_two(objs, all(type(x) is not _Generic for x in gen), lse_ht, gen)
     except (AttributeError, TypeError, ValueError):
         return None
 
 
-def _read_two(
-    objs, torch, ht, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks, bscale=None
-) -> TwoFacts:
+def _read_two(objs: tuple, torch: bool, ht: bool, xs: tuple) -> TwoFacts:
+    """``xs``: the tensors (``objs`` or their generic facts), out_block_scale last when given."""
+    if len(xs) == 11:
+        v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks = xs
+        bscale = None
+    else:
+        v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks, bscale = xs
     # Straight-line on purpose (the hot path): byte ends as layout.end, alignment as
     # layout.aligned, written out (tests/test_host_facts.py holds them to those functions).
     f = TwoFacts()
