@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     f = facts.read_two(objs)
     if args.cpu:
         f.device = 0
-    scalars = ("e", True, False, False, (None, "float32"), False)
+    scalars = ("e", True, False, False, None, "float32", False)
     plan = plans.get((scalars, f.sig))
     f.prefix_rows = T
     key = next(iter(plan.forms))

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 from . import layout as _layout
+from .generic_tensors import _family, _Generic, generic, writable_cheap  # noqa: F401 (the readers' API)
 from .layout import INT32
-from .tensors import is_torch, torch_tensor_type, view
 
 _ITEMSIZE = {}  # dtype (torch object or name) -> bytes, filled as dtypes are met
 
@@ -26,58 +26,6 @@ def _itemsize(dtype: Any) -> int:
 
         size = _ITEMSIZE[dtype] = dtype.itemsize if hasattr(dtype, "itemsize") else itemsize(str(dtype))
     return size
-
-
-class _Generic:
-    """One tensor of any producer, read through ``view``: what the readers take from it."""
-
-    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "obj", "is_torch")
-
-    def __init__(self, x: Any) -> None:
-        t = view(x, "tensor")
-        self.ptr, self.shape, self.strides, self.dtype, self.device, self.obj, self.is_torch = (
-            t.ptr, tuple(t.shape), tuple(t.strides), t.dtype, t.device, x, t.is_torch,
-        )  # fmt: skip
-
-    def data_ptr(self) -> int:
-        return self.ptr
-
-    def stride(self) -> tuple:
-        return self.strides
-
-    def get_device(self) -> int:
-        return self.device
-
-
-def generic(x: Any) -> Any:
-    """``x`` itself for a torch tensor (or None), else its facts in torch's spelling."""
-    if x is None or type(x) is torch_tensor_type():
-        return x
-    return _Generic(x)
-
-
-def _family(gen: tuple) -> bool | None:
-    """The signature's producer part: True when every tensor is torch's, False when none is,
-    None for torch beside another producer (a signature of its own: its validation decides,
-    and on a GPU raises, ``checks.one_library_on_gpu``)."""
-    any_generic = torch_seen = False
-    for g in gen:
-        if type(g) is _Generic:
-            any_generic = True
-            torch_seen = torch_seen or g.is_torch
-        elif g is not None:
-            torch_seen = True
-    return (None if torch_seen else False) if any_generic else True
-
-
-def writable_cheap(x: Any) -> bool:
-    """An output (the caller's object) that the full check (``checks.writable``) would let
-    through, decided from the object alone: a torch tensor that needs no grad and is no
-    inference tensor; a CUDA array of another producer that is not a JAX array. False: the
-    full check decides (a torch subclass, say)."""
-    if type(x) is torch_tensor_type():
-        return not (x.requires_grad or x.is_inference())
-    return not is_torch(x) and type(x).__module__.split(".", 1)[0] not in ("jax", "jaxlib")
 
 
 class TwoFacts:
@@ -104,19 +52,23 @@ def read_two(objs: tuple, lse_ht: bool = False) -> TwoFacts | None:
     rank (the full validation then says which). ``lse_ht``: the LSEs are ``[H, T]`` tensors,
     read as their ``[T, H]`` transposes (no view made)."""
     try:
-        return _read_two(objs, True, lse_ht, *objs)  # torch tensors: any other object has no data_ptr
+        return _read_two(objs, True, lse_ht, objs)  # torch tensors: any other object has no data_ptr
     except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a sparse tensor
         pass
     try:
         gen = tuple(generic(x) for x in objs)
-        return _read_two(objs, _family(gen), lse_ht, *gen)
+        return _read_two(objs, _family(gen), lse_ht, gen)
     except (AttributeError, TypeError, ValueError, RuntimeError):
         return None
 
 
-def _read_two(
-    objs, torch, ht, v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks, bscale=None
-) -> TwoFacts:
+def _read_two(objs: tuple, torch: bool, ht: bool, xs: tuple) -> TwoFacts:
+    """``xs``: the tensors (``objs`` or their generic facts), out_block_scale last when given."""
+    if len(xs) == 11:
+        v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks = xs
+        bscale = None
+    else:
+        v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks, bscale = xs
     # Straight-line on purpose (the hot path): byte ends as layout.end, alignment as
     # layout.aligned, written out (tests/test_host_facts.py holds them to those functions).
     f = TwoFacts()
@@ -236,29 +188,23 @@ def _read_options(f: TwoFacts, sig: list, cu, lens, mask, scale, sinks) -> int:
     if cu is None:
         sig.append(None)
     else:
-        f.a_cu = cu.data_ptr()
         (n,) = cu.shape
-        f.cu_len, f.a_batch = n, n - 1
-        f.cu_st = st = cu.stride()[0] if n else 1
-        neg |= st
+        f.a_cu, f.cu_len, f.a_batch, f.cu_st = cu.data_ptr(), n, n - 1, cu.stride()[0] if n else 1
+        neg |= f.cu_st
         sig += (cu.dtype, cu.get_device())
     if lens is None:
         sig.append(None)
     else:
-        f.a_lens = lens.data_ptr()
         (n,) = lens.shape
-        f.lens_len = n
-        f.lens_st = st = lens.stride()[0] if n else 1
-        neg |= st
+        f.a_lens, f.lens_len, f.lens_st = lens.data_ptr(), n, lens.stride()[0] if n else 1
+        neg |= f.lens_st
         sig += (lens.dtype, lens.get_device())
     if mask is None:
         sig.append(None)
     else:
-        f.row_mask = mask.data_ptr()
         (n,) = mask.shape
-        f.mask_len = n
-        f.mask_st = st = mask.stride()[0] if n else 1
-        neg |= st
+        f.row_mask, f.mask_len, f.mask_st = mask.data_ptr(), n, mask.stride()[0] if n else 1
+        neg |= f.mask_st
         sig += (mask.dtype, mask.get_device())
     if scale is None:
         sig.append(None)
@@ -268,11 +214,9 @@ def _read_options(f: TwoFacts, sig: list, cu, lens, mask, scale, sinks) -> int:
     if sinks is None:
         sig.append(None)
     else:
-        f.sinks = sinks.data_ptr()
         (n,) = sinks.shape
-        f.sinks_len = n
-        f.sinks_st = st = sinks.stride()[0] if n else 1
-        neg |= st
+        f.sinks, f.sinks_len, f.sinks_st = sinks.data_ptr(), n, sinks.stride()[0] if n else 1
+        neg |= f.sinks_st
         sig += (sinks.dtype, sinks.get_device())
     return neg
 
@@ -409,16 +353,6 @@ def _read_rows(objs, torch, out, lse, cu, lens) -> RowsFacts:
     isz = _ITEMSIZE.get(do) or _itemsize(do)
     ok = not (po % _VECTOR_BYTES or (st0 | st1 | D) % (_VECTOR_BYTES // isz))
     f.neg = (st0 | st1 | st2 | sl0 | sl1 | sc | sn) < 0
-    f.sig = (
-        do,
-        lse.dtype,
-        cu.dtype,
-        lens.dtype,
-        dev,
-        lse.get_device(),
-        cu.get_device(),
-        lens.get_device(),
-        ok,
-        torch,
-    )
+    devices = (dev, lse.get_device(), cu.get_device(), lens.get_device())
+    f.sig = (do, lse.dtype, cu.dtype, lens.dtype, *devices, ok, torch)
     return f

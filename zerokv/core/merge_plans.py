@@ -114,7 +114,7 @@ def two(
         objs += (out_block_scale,)
     scalars = (
         lse_base, prefix_rows is None, suffix_verbatim, out is None if allocate_lse is None else allocate_lse,
-        (quant_group, scale_format), lse_ht is not None,
+        quant_group, scale_format, lse_ht is not None,
     )  # fmt: skip
     f = _facts.read_two(objs, lse_ht is not None)
     if f is None or f.device < 0:
@@ -147,7 +147,7 @@ def _cpu_two(
     objs: tuple, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any
 ) -> tuple[Any, Any]:
     objs = _th_views(objs, lse_ht, names)
-    v = _merge_checks.two(objs, scalars[0], prefix_rows, names, scalars[4])
+    v = _merge_checks.two(objs, scalars[0], prefix_rows, names, scalars[4:6])
     host_only(v["device"])
     va, T, H, D = v["va"], v["T"], v["H"], v["D"]
     out, out_lse, o, ol = objs[4], objs[5], v["out"], v["out_lse"]
@@ -174,7 +174,7 @@ class TwoPlan(Plan):
         self, f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any
     ) -> None:
         v = _merge_checks.two(
-            _th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4]
+            _th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6]
         )  # every check, once
         self._setup(v, v["va"].dtype, v["out"], f.sig[-2], f.torch)
         given = (v["cu"], v["mask"], v["scale"], v["sinks"], v["block_scale"])
@@ -199,7 +199,7 @@ class TwoPlan(Plan):
         if self.check(f):
             widest, s32 = f.widest, f.strides_or < INT32
         else:  # something the cheap check does not decide: the full checks do
-            _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4])
+            _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6])
             f.prefix_rows = T if prefix_rows is None else prefix_rows
             widest, s32 = _exact_two(f, self)
         objs = f.objs

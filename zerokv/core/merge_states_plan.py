@@ -115,14 +115,14 @@ class NPlan(Plan):
                 raise ValueError(
                     "out_block_scale: no kernel form takes this call (unaligned, past 2^31 elements)"
                 )
-            return form, _facts.TwoFacts, partial(_as_two, isz=self.in_size)
+            return form, _facts.TwoFacts, partial(_as_two, self.in_size)
         if N == 2 and self.plain and D:
             c = _forms.MergeCall(
                 T, H, D, self.vec, self.in_dtype, self.out_dtype, frozenset(), False, fits, s32, tiles
             )
             form = _forms.flat_family(c, self.dev, self.ctypes)
             if form is not None:
-                return form, _facts.TwoFacts, partial(_as_two, isz=self.in_size)
+                return form, _facts.TwoFacts, partial(_as_two, self.in_size)
         form = _forms.merge_states(N, T, H, D, self.vec, self.dev, (*self.ctypes, self.vec), self.group)
         return form, _facts.NFacts, None
 
@@ -187,7 +187,7 @@ class NPlan(Plan):
         return widest
 
 
-def _as_two(f: _facts.NFacts, isz: int) -> _facts.TwoFacts:
+def _as_two(isz: int, f: _facts.NFacts) -> _facts.TwoFacts:
     """States 0 and 1 of a two-state merge_states as a two-way merge's facts."""
     t = _facts.TwoFacts()
     t.va, t.va_st, t.va_sh = f.v, f.v_st, f.v_sh

@@ -1,0 +1,63 @@
+"""Tensors of any producer in torch's spelling, for the readers of :mod:`zerokv.core.facts`.
+
+A torch tensor is read as it is; any other DLPack producer once through
+:func:`zerokv.core.tensors.view` into a small record with the same methods the readers call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .tensors import is_torch, torch_tensor_type, view
+
+
+class _Generic:
+    """One tensor of any producer, read through ``view``: what the readers take from it."""
+
+    __slots__ = ("ptr", "shape", "strides", "dtype", "device", "obj", "is_torch")
+
+    def __init__(self, x: Any) -> None:
+        t = view(x, "tensor")
+        self.ptr, self.shape, self.strides, self.dtype, self.device, self.obj, self.is_torch = (
+            t.ptr, tuple(t.shape), tuple(t.strides), t.dtype, t.device, x, t.is_torch,
+        )  # fmt: skip
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def stride(self) -> tuple:
+        return self.strides
+
+    def get_device(self) -> int:
+        return self.device
+
+
+def generic(x: Any) -> Any:
+    """``x`` itself for a torch tensor (or None), else its facts in torch's spelling."""
+    if x is None or type(x) is torch_tensor_type():
+        return x
+    return _Generic(x)
+
+
+def _family(gen: tuple) -> bool | None:
+    """The signature's producer part: True when every tensor is torch's, False when none is,
+    None for torch beside another producer (a signature of its own: its validation decides,
+    and on a GPU raises, ``checks.one_library_on_gpu``)."""
+    any_generic = torch_seen = False
+    for g in gen:
+        if type(g) is _Generic:
+            any_generic = True
+            torch_seen = torch_seen or g.is_torch
+        elif g is not None:
+            torch_seen = True
+    return (None if torch_seen else False) if any_generic else True
+
+
+def writable_cheap(x: Any) -> bool:
+    """An output (the caller's object) that the full check (``checks.writable``) would let
+    through, decided from the object alone: a torch tensor that needs no grad and is no
+    inference tensor; a CUDA array of another producer that is not a JAX array. False: the
+    full check decides (a torch subclass, say)."""
+    if type(x) is torch_tensor_type():
+        return not (x.requires_grad or x.is_inference())
+    return not is_torch(x) and type(x).__module__.split(".", 1)[0] not in ("jax", "jaxlib")
