@@ -548,7 +548,7 @@ def cp_targets(rows: list[Row]) -> list[Target]:
     return out + _cp_a2a_targets(cp, Ts)
 
 
-# the all-to-all rows (issue 27): (zerokv a2a, the same without the pack, the vLLM-design a2a,
+# the all-to-all rows: (zerokv a2a, the same without the pack, the vLLM-design a2a,
 # zerokv's AG + RS of that wire, the AG + RS collectives alone of that wire)
 CP_A2A = (
     ("zerokv a2a", "zerokv a2a, no pack", "vLLM design a2a", "zerokv bf16 wire", "collectives bf16"),
