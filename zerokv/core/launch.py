@@ -76,24 +76,18 @@ class Launcher:
     def __call__(self, grid: int, stream: int, *args: Any, grid_y: int = 1) -> None:
         """Launch ``grid`` (x ``grid_y``) blocks on ``stream`` with ``args`` in the kernel's
         parameter order."""
-        a = _arena
-        self.pack_into(a.buf, 0, *args)
-        a.size.value = self.nbytes
-        d = self.driver
-        try:
-            if d.get_device() == self.device:
-                d.launch(self.handle, grid, grid_y, 1, self.block, 1, 1, 0, stream, 0, a.extra_ptr)
-            else:
-                with d.Device(self.device):
-                    d.launch(self.handle, grid, grid_y, 1, self.block, 1, 1, 0, stream, 0, a.extra_ptr)
-        except d.error as e:
-            self._retry(e, grid, grid_y, stream)
+        self.pack_into(_arena.buf, 0, *args)
+        self._launch(grid, grid_y, stream)
 
     def launch(self, grid: int, grid_y: int, stream: int, bind: Any, *records: Any) -> None:
         """Launch with the arguments packed by name: ``bind(buffer, *records)`` (a
         ``Kernel.binder``) fills the argument buffer."""
+        bind(_arena.buf, *records)
+        self._launch(grid, grid_y, stream)
+
+    def _launch(self, grid: int, grid_y: int, stream: int) -> None:
+        """cuLaunchKernel of the packed argument buffer, in the device's context."""
         a = _arena
-        bind(a.buf, *records)
         a.size.value = self.nbytes
         d = self.driver
         try:

@@ -69,6 +69,17 @@ class Plan:
             self.t_f32, self.empty = t.float32, t.empty
             self.alloc_device = self.device if self.device >= 0 else "cpu"  # "cpu": the tests' plans
 
+    def outputs(self, f: Any, out: Any, out_lse: Any, T: int, H: int, D: int) -> tuple[Any, Any]:
+        """The call's outputs, those it left as None allocated (the LSE only where the signature
+        asks for it), their facts written into ``f``."""
+        if out is None:
+            out = self.new(f, (T, H, D), False)
+            f.out, f.out_st, f.out_sh = out.data_ptr() if self.torch else ptr(out), H * D, D
+        if out_lse is None and self.allocate_lse:
+            out_lse = self.new(f, (T, H), True)
+            f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else ptr(out_lse), H, 1
+        return out, out_lse
+
     def new(self, f: Any, shape: tuple, lse: bool) -> Any:
         """An output of the call's family on its device: the LSE (float32) or V (out dtype)."""
         if self.torch:
@@ -202,14 +213,7 @@ class TwoPlan(Plan):
             _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6])
             f.prefix_rows = T if prefix_rows is None else prefix_rows
             widest, s32 = _exact_two(f, self)
-        objs = f.objs
-        out, out_lse = objs[4], objs[5]
-        if out is None:
-            out = self.new(f, (T, H, D), False)
-            f.out, f.out_st, f.out_sh = out.data_ptr() if self.torch else ptr(out), H * D, D
-        if out_lse is None and self.allocate_lse:
-            out_lse = self.new(f, (T, H), True)
-            f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else ptr(out_lse), H, 1
+        out, out_lse = self.outputs(f, f.objs[4], f.objs[5], T, H, D)
         if T * H == 0:
             return out, out_lse
         pl = f.olse

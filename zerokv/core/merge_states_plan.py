@@ -14,7 +14,7 @@ from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
 from .layout import INT32, distinct
-from .merge_plans import Plan, block_scale_check, host_only, ptr, widest_span
+from .merge_plans import Plan, block_scale_check, host_only, widest_span
 from .tensors import torch_tensor_type
 
 
@@ -80,13 +80,7 @@ class NPlan(Plan):
         else:
             s32 = f.strides_or < INT32
         N, T, H, D = f.N, f.T, f.H, f.D
-        out, out_lse = f.objs[2], f.objs[3]
-        if out is None:
-            out = self.new(f, (T, H, D), False)
-            f.out, f.out_st, f.out_sh = out.data_ptr() if self.torch else ptr(out), H * D, D
-        if out_lse is None and self.allocate_lse:
-            out_lse = self.new(f, (T, H), True)
-            f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else ptr(out_lse), H, 1
+        out, out_lse = self.outputs(f, f.objs[2], f.objs[3], T, H, D)
         if T * H == 0:
             return out, out_lse
         tiles = f.ol_st == 1 and f.ol_sh != 1 if f.olse else f.s_st == 1 and f.s_sh != 1
