@@ -372,6 +372,42 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
   }
 }
 
+// a_empty in the flat forms: the request search once per token of the block instead of once per
+// warp (a chain of about ten instructions a step that every warp would run): the block's tokens
+// t_lo .. t_lo + ntok - 1 (those of its first and last live rows; in tiles of 8 with TILE) are
+// searched by its first threads, one token each, into shared memory; after a barrier every
+// thread reads its token's answer. Called after the thread's V and LSE loads are issued (a
+// search ahead of the first warp's loads measured slower). Every thread of the block takes part.
+template <bool A64, int BLOCK, bool TILE> struct BlockEmpty {
+  static constexpr int SPAN = BLOCK + 32;  // tokens one block's rows can reach (BLOCK + 24 in tiles of 8)
+  const void* cu;
+  const void* lens;
+  int B, T, t_lo, ntok;
+  unsigned char* empty;  // shared, SPAN entries
+
+  __device__ __forceinline__ void search(int rows, int packs, unsigned packs_mul, int packs_shr, int H,
+                                         unsigned H_mul, int H_shr, unsigned tiled_rows) {
+    const unsigned i0 = blockIdx.x * (unsigned)BLOCK;
+    const unsigned i1 = min(i0 + (unsigned)BLOCK, (unsigned)rows * (unsigned)packs) - 1u;
+    const unsigned r0 = fast_div(i0, packs_mul, packs_shr), r1 = fast_div(i1, packs_mul, packs_shr);
+    int h;
+    t_lo = flat_token<TILE>(r0, H, H_mul, H_shr, tiled_rows, h);
+    int t_hi = flat_token<TILE>(r1, H, H_mul, H_shr, tiled_rows, h);
+    if constexpr (TILE) {
+      if (r0 < tiled_rows) t_lo &= ~7;
+      if (r1 < tiled_rows) t_hi |= 7;
+    }
+    ntok = min(t_hi - t_lo + 1, SPAN);
+    for (int j = (int)threadIdx.x; j < ntok; j += BLOCK) empty[j] = a_row_empty<A64>(cu, lens, B, T, t_lo + j);
+  }
+
+  __device__ __forceinline__ bool of(int t) const {
+    __syncthreads();
+    const int j = t - t_lo;
+    return (unsigned)j < (unsigned)ntok ? empty[j] != 0 : a_row_empty<A64>(cu, lens, B, T, t);
+  }
+};
+
 // The four loads of pack d / VEC of row (t, h), issued before any arithmetic, then the merge and
 // its V store (predicated on live); returns the row's coefficients and output LSE. Offsets in
 // the strides' type I.
@@ -391,20 +427,21 @@ __device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d
   return c;
 }
 
-// merge_pack with the option features of FEAT (nonzero). a_empty: v_a is loaded with v_b and the
-// request search runs while the loads are in flight (the contract lets a kernel load an empty
-// input's V; it is selected away, never used); with F_A_SKIP the search comes first and a row
-// whose state a is not used (its request empty, or past prefix_rows) does not load v_a: fewer
-// bytes, but the search's chain of dependent loads before the v_a load measured 11-15 % slower
-// on an H200 at T = 2048-8192 with 25-50 % empty requests (bench/NOTES.md). keep: the row is
-// written (row mask). An unused state's V is dropped by a select, never multiplied by zero.
-template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I>
+// merge_pack with the option features of FEAT (nonzero). a_empty: whether the row's request is
+// empty comes from `empty_of(t)` (the flat forms: one search per token of the block, shared,
+// BlockEmpty; the heads form: the thread's own search). v_a is loaded with v_b and the
+// answer awaited while the loads are in flight (the contract lets a kernel load an empty input's
+// V; it is selected away, never used); with F_A_SKIP the answer comes first and a row whose state
+// a is not used (its request empty, or past prefix_rows) does not load v_a: fewer bytes, a later
+// v_a load. keep: the row is written (row mask). An unused state's V is dropped by a select,
+// never multiplied by zero.
+template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I, typename EmptyOf>
 __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, int p, int T, int packs,
                                                   const Tin* va, const Tin* vb, const float* sa, const float* sb,
                                                   Tout* out, I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh,
                                                   I vb_st, I vb_sh, I out_st, I out_sh, int prefix_rows,
                                                   int suffix_verbatim, float k, float inv_k, const Opts<I>& o,
-                                                  bool& keep) {
+                                                  bool& keep, const EmptyOf& empty_of) {
   constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0, LATE_A = A_EMPTY && (FEAT & F_A_SKIP) != 0;
   const I t = t32, h = h32, d = p * VEC;
   Pack<Tin, VEC> a;
@@ -417,7 +454,7 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
   keep = live;
   if constexpr ((FEAT & F_ROW_MASK) != 0) keep = live && __ldg(o.row_mask + t32) != 0;
   bool use_a = t32 < prefix_rows;
-  if constexpr (A_EMPTY) use_a = use_a && !a_row_empty<(FEAT & F_A64) != 0>(o.a_cu, o.a_lens, o.a_batch, T, t32);
+  if constexpr (A_EMPTY) use_a = !empty_of(t32) && use_a;
   if constexpr (LATE_A) {
     if (use_a) {
       a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
@@ -502,9 +539,17 @@ __device__ __forceinline__ void merge_flat(
                                       inv_k);
   } else {
     const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
+    constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0;
+    using Empty = BlockEmpty<(FEAT & F_A64) != 0, BLOCK, TILE>;
+    __shared__ unsigned char s_empty[A_EMPTY ? Empty::SPAN : 1];
+    Empty e{o.a_cu, o.a_lens, o.a_batch, T, 0, 0, s_empty};
+    const auto empty_of = [&](int t) {  // after the thread's loads: the search waits on nothing they issue
+      e.search(rows, packs, packs_mul, packs_shr, H, H_mul, H_shr, tiled_rows);
+      return e.of(t);
+    };
     c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, I>(
         live, t32, h32, p, T, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
-        out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep);
+        out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep, empty_of);
   }
   const I t = t32, h = h32;
   if constexpr (GATHER) {
@@ -572,7 +617,8 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state
     c = merge_pack_opt<Tin, Tout, VEC, FEAT, ZK_BLOCK_merge_state_heads_kernel, int>(
         live, t, h, p, (int)gridDim.y, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st,
         vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k,
-        Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0}, keep);
+        Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0}, keep,
+        [&](int tok) { return a_row_empty<(FEAT & F_A64) != 0>(a_cu, a_lens, a_batch, (int)gridDim.y, tok); });
   }
   store_float_if(keep && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
 }
