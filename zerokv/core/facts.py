@@ -166,6 +166,7 @@ def _read_two(objs: tuple, torch: bool, ht: bool, xs: tuple) -> TwoFacts:
 
 
 _VECTOR_BYTES = _layout.VECTOR_BYTES
+read_two_torch = _read_two  # (objs, True, lse_ht, objs): torch tensors only; raises on anything else
 
 
 def _read_block_scale(f: Any, sig: list, bscale: Any) -> bool:

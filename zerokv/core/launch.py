@@ -76,18 +76,17 @@ class Launcher:
     def __call__(self, grid: int, stream: int, *args: Any, grid_y: int = 1) -> None:
         """Launch ``grid`` (x ``grid_y``) blocks on ``stream`` with ``args`` in the kernel's
         parameter order."""
-        self.pack_into(_arena.buf, 0, *args)
-        self._launch(grid, grid_y, stream)
+        self.launch(grid, grid_y, stream, self._positional, *args)
+
+    def _positional(self, buf: Any, *args: Any) -> None:
+        self.pack_into(buf, 0, *args)
 
     def launch(self, grid: int, grid_y: int, stream: int, bind: Any, *records: Any) -> None:
         """Launch with the arguments packed by name: ``bind(buffer, *records)`` (a
-        ``Kernel.binder``) fills the argument buffer."""
-        bind(_arena.buf, *records)
-        self._launch(grid, grid_y, stream)
-
-    def _launch(self, grid: int, grid_y: int, stream: int) -> None:
-        """cuLaunchKernel of the packed argument buffer, in the device's context."""
+        ``Kernel.binder``) fills the argument buffer; then ``cuLaunchKernel`` of it, in the
+        device's context (the one launch body: the calls' hot path)."""
         a = _arena
+        bind(a.buf, *records)
         a.size.value = self.nbytes
         d = self.driver
         try:

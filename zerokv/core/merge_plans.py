@@ -127,7 +127,10 @@ def two(
         lse_base, prefix_rows is None, suffix_verbatim, out is None if allocate_lse is None else allocate_lse,
         quant_group, scale_format, lse_ht is not None,
     )  # fmt: skip
-    f = _facts.read_two(objs, lse_ht is not None)
+    try:  # torch tensors read directly (the common call); anything else through read_two
+        f = _facts.read_two_torch(objs, True, lse_ht is not None, objs)
+    except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a sparse tensor
+        f = _facts.read_two(objs, lse_ht is not None)
     if f is None or f.device < 0:
         return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
     try:
@@ -213,7 +216,9 @@ class TwoPlan(Plan):
             _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6])
             f.prefix_rows = T if prefix_rows is None else prefix_rows
             widest, s32 = _exact_two(f, self)
-        out, out_lse = self.outputs(f, f.objs[4], f.objs[5], T, H, D)
+        out, out_lse = f.objs[4], f.objs[5]
+        if out is None or (out_lse is None and self.allocate_lse):
+            out, out_lse = self.outputs(f, out, out_lse, T, H, D)
         if T * H == 0:
             return out, out_lse
         pl = f.olse
