@@ -378,6 +378,10 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
 // searched by its first threads, one token each, into shared memory; after a barrier every
 // thread reads its token's answer. Called after the thread's V and LSE loads are issued (a
 // search ahead of the first warp's loads measured slower). Every thread of the block takes part.
+// Grids of fewer threads (a few waves, where a call is latency-bound) keep each thread's own
+// search: the barrier's wait cost them more than the instructions it saves (bench/NOTES.md).
+constexpr unsigned A_SHARED_THREADS = 1u << 22;
+
 template <bool A64, int BLOCK, bool TILE> struct BlockEmpty {
   static constexpr int SPAN = BLOCK + 32;  // tokens one block's rows can reach (BLOCK + 24 in tiles of 8)
   const void* cu;
@@ -544,6 +548,8 @@ __device__ __forceinline__ void merge_flat(
     __shared__ unsigned char s_empty[A_EMPTY ? Empty::SPAN : 1];
     Empty e{o.a_cu, o.a_lens, o.a_batch, T, 0, 0, s_empty};
     const auto empty_of = [&](int t) {  // after the thread's loads: the search waits on nothing they issue
+      if (gridDim.x * (unsigned)BLOCK < A_SHARED_THREADS)  // the same for the whole grid
+        return a_row_empty<(FEAT & F_A64) != 0>(o.a_cu, o.a_lens, o.a_batch, T, t);
       e.search(rows, packs, packs_mul, packs_shr, H, H_mul, H_shr, tiled_rows);
       return e.of(t);
     };
