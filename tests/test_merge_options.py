@@ -311,6 +311,44 @@ def test_a_empty_on_every_size_class(launched, cls, index_dtype):
     _expect_kernel(launched, cls, bit)
 
 
+def _lying_requests(T, index_dtype, seed):
+    """Offsets that lie: decreasing, negative, past T, an empty span; a third of them empty."""
+    g = np.random.default_rng(seed)
+    cu = np.concatenate([[0], np.sort(g.integers(1, T, 40)), [T]])
+    cu[5], cu[6] = cu[6] + 100, cu[5]
+    cu[10], cu[20], cu[30] = -50, T + 1000, cu[29]
+    lens = g.integers(1, 50, len(cu) - 1)
+    lens[g.choice(len(lens), len(lens) // 3, replace=False)] = 0
+    return torch.tensor(cu, dtype=index_dtype, device="cuda"), torch.tensor(
+        lens, dtype=index_dtype, device="cuda"
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["TH", "HT"])
+@pytest.mark.parametrize("offsets", ["requests", "lying"])
+def test_a_empty_block_shared_search_on_grids_of_many_threads(launched, layout, offsets):
+    """Grids of 2^22 threads and more search once per token of a block (merge.cu,
+    A_SHARED_THREADS): 4 tokens a block, requests that straddle blocks, offsets that lie."""
+    T, H, D, dtype = 33000, 8, 128, torch.bfloat16  # 33000 x 8 x 16 packs > 2^22 threads
+    va, vb = _v(T, H, D, dtype, layout, 11), _v(T, H, D, dtype, layout, 12)
+    sa, sb = _lse(T, H, layout, 13), _lse(T, H, layout, 14)
+    index_dtype = torch.int32 if offsets == "requests" else torch.int64
+    cu, lens = _requests(T, index_dtype, 15) if offsets == "requests" else _lying_requests(T, index_dtype, 15)
+    rows = reference.rows_with_empty_a(f64(cu).astype(np.int64), f64(lens).astype(np.int64), T)
+    assert 0 < rows.sum() < T
+    va[torch.from_numpy(rows).cuda()] = NAN  # garbage where state a is empty
+    out = torch.full((T, H, D), NAN, device="cuda").to(dtype)
+    lse = torch.full((T, H), NAN, device="cuda")
+    lse = lse.T.contiguous().T if layout == "HT" else lse
+    zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, a_empty=(cu, lens))
+    ro, rl = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb), a_empty_rows=rows)
+    assert_close(out, ro, dtype, "out")
+    assert_close(lse, rl, torch.float32, "lse")
+    bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if index_dtype == torch.int64 else 0)
+    assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("cls", CLASSES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
