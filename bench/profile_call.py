@@ -113,7 +113,7 @@ def _route_cpu_down_the_gpu_path() -> None:
         (lambda d: 50 << 20),
         (lambda d: 0),
     )
-    for name in ("read_two", "read_two_torch", "read_n", "read_rows"):
+    for name in ("read_two", "read_n", "read_rows"):
         setattr(facts, name, _on_device(getattr(facts, name)))
 
 

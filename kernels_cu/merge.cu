@@ -372,45 +372,39 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
   }
 }
 
-// a_empty in the flat forms: the request search once per token of the block instead of once per
-// warp (a chain of about ten instructions a step that every warp would run): the block's tokens
-// t_lo .. t_lo + ntok - 1 (those of its first and last live rows; in tiles of 8 with TILE) are
-// searched by its first threads, one token each, into shared memory; after a barrier every
-// thread reads its token's answer. Called after the thread's V and LSE loads are issued (a
-// search ahead of the first warp's loads measured slower). Every thread of the block takes part.
-// Grids of fewer threads (a few waves, where a call is latency-bound) keep each thread's own
-// search: the barrier's wait cost them more than the instructions it saves (bench/NOTES.md).
+// a_empty in the flat forms: whether token t's request is empty. On grids of A_SHARED_THREADS
+// threads and more the search runs once per token of a block instead of once per warp (a chain
+// of about ten instructions a step that every warp would run): the block's tokens t_lo .. t_lo +
+// ntok - 1 (those of its first and last live rows; in tiles of 8 with TILE) are searched by its
+// first threads, one token each, into shared memory; after a barrier every thread reads its
+// token's answer. Smaller grids (a few waves, latency-bound) keep each thread's own search: the
+// barrier's wait cost them more than the instructions it saves (bench/NOTES.md). Called after
+// the thread's loads are issued; every thread of the block calls it.
 constexpr unsigned A_SHARED_THREADS = 1u << 22;
 
-template <bool A64, int BLOCK, bool TILE> struct BlockEmpty {
-  static constexpr int SPAN = BLOCK + 32;  // tokens one block's rows can reach (BLOCK + 24 in tiles of 8)
-  const void* cu;
-  const void* lens;
-  int B, T, t_lo, ntok;
-  unsigned char* empty;  // shared, SPAN entries
-
-  __device__ __forceinline__ void search(int rows, int packs, unsigned packs_mul, int packs_shr, int H,
-                                         unsigned H_mul, int H_shr, unsigned tiled_rows) {
-    const unsigned i0 = blockIdx.x * (unsigned)BLOCK;
-    const unsigned i1 = min(i0 + (unsigned)BLOCK, (unsigned)rows * (unsigned)packs) - 1u;
-    const unsigned r0 = fast_div(i0, packs_mul, packs_shr), r1 = fast_div(i1, packs_mul, packs_shr);
-    int h;
-    t_lo = flat_token<TILE>(r0, H, H_mul, H_shr, tiled_rows, h);
-    int t_hi = flat_token<TILE>(r1, H, H_mul, H_shr, tiled_rows, h);
-    if constexpr (TILE) {
-      if (r0 < tiled_rows) t_lo &= ~7;
-      if (r1 < tiled_rows) t_hi |= 7;
-    }
-    ntok = min(t_hi - t_lo + 1, SPAN);
-    for (int j = (int)threadIdx.x; j < ntok; j += BLOCK) empty[j] = a_row_empty<A64>(cu, lens, B, T, t_lo + j);
+template <bool A64, int BLOCK, bool TILE>
+__device__ __forceinline__ bool token_empty(const void* cu, const void* lens, int B, int T, int t, int rows,
+                                            int packs, unsigned packs_mul, int packs_shr, int H, unsigned H_mul,
+                                            int H_shr, unsigned tiled_rows) {
+  if (gridDim.x * (unsigned)BLOCK < A_SHARED_THREADS) return a_row_empty<A64>(cu, lens, B, T, t);  // grid-uniform
+  constexpr int SPAN = BLOCK + 32;  // tokens one block's rows can reach (BLOCK + 24 in tiles of 8)
+  __shared__ unsigned char s_empty[SPAN];
+  const unsigned i0 = blockIdx.x * (unsigned)BLOCK;
+  const unsigned i1 = min(i0 + (unsigned)BLOCK, (unsigned)rows * (unsigned)packs) - 1u;
+  const unsigned r0 = fast_div(i0, packs_mul, packs_shr), r1 = fast_div(i1, packs_mul, packs_shr);
+  int h;
+  int t_lo = flat_token<TILE>(r0, H, H_mul, H_shr, tiled_rows, h);
+  int t_hi = flat_token<TILE>(r1, H, H_mul, H_shr, tiled_rows, h);
+  if constexpr (TILE) {
+    if (r0 < tiled_rows) t_lo &= ~7;
+    if (r1 < tiled_rows) t_hi |= 7;
   }
-
-  __device__ __forceinline__ bool of(int t) const {
-    __syncthreads();
-    const int j = t - t_lo;
-    return (unsigned)j < (unsigned)ntok ? empty[j] != 0 : a_row_empty<A64>(cu, lens, B, T, t);
-  }
-};
+  const int ntok = min(t_hi - t_lo + 1, SPAN);
+  for (int j = (int)threadIdx.x; j < ntok; j += BLOCK) s_empty[j] = a_row_empty<A64>(cu, lens, B, T, t_lo + j);
+  __syncthreads();
+  const int j = t - t_lo;  // outside the range (none by construction): the thread's own search
+  return (unsigned)j < (unsigned)ntok ? s_empty[j] != 0 : a_row_empty<A64>(cu, lens, B, T, t);
+}
 
 // The four loads of pack d / VEC of row (t, h), issued before any arithmetic, then the merge and
 // its V store (predicated on live); returns the row's coefficients and output LSE. Offsets in
@@ -432,15 +426,15 @@ __device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d
 }
 
 // merge_pack with the option features of FEAT (nonzero). a_empty: whether the row's request is
-// empty comes from `empty_of(t)` (the flat forms: one search per token of the block, shared,
-// BlockEmpty; the heads form: the thread's own search). v_a is loaded with v_b and the
+// empty comes from `empty_of(t)` (the flat forms: token_empty; the heads form: the thread's own
+// search). v_a is loaded with v_b and the
 // answer awaited while the loads are in flight (the contract lets a kernel load an empty input's
 // V; it is selected away, never used); with F_A_SKIP the answer comes first and a row whose state
 // a is not used (its request empty, or past prefix_rows) does not load v_a: fewer bytes, a later
 // v_a load. keep: the row is written (row mask). An unused state's V is dropped by a select,
 // never multiplied by zero.
 template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I, typename EmptyOf>
-__device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, int p, int T, int packs,
+__device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, int p, int packs,
                                                   const Tin* va, const Tin* vb, const float* sa, const float* sb,
                                                   Tout* out, I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh,
                                                   I vb_st, I vb_sh, I out_st, I out_sh, int prefix_rows,
@@ -543,18 +537,12 @@ __device__ __forceinline__ void merge_flat(
                                       inv_k);
   } else {
     const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
-    constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0;
-    using Empty = BlockEmpty<(FEAT & F_A64) != 0, BLOCK, TILE>;
-    __shared__ unsigned char s_empty[A_EMPTY ? Empty::SPAN : 1];
-    Empty e{o.a_cu, o.a_lens, o.a_batch, T, 0, 0, s_empty};
-    const auto empty_of = [&](int t) {  // after the thread's loads: the search waits on nothing they issue
-      if (gridDim.x * (unsigned)BLOCK < A_SHARED_THREADS)  // the same for the whole grid
-        return a_row_empty<(FEAT & F_A64) != 0>(o.a_cu, o.a_lens, o.a_batch, T, t);
-      e.search(rows, packs, packs_mul, packs_shr, H, H_mul, H_shr, tiled_rows);
-      return e.of(t);
+    const auto empty_of = [&](int t) {
+      return token_empty<(FEAT & F_A64) != 0, BLOCK, TILE>(o.a_cu, o.a_lens, o.a_batch, T, t, rows, packs, packs_mul,
+                                                          packs_shr, H, H_mul, H_shr, tiled_rows);
     };
     c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, I>(
-        live, t32, h32, p, T, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
+        live, t32, h32, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
         out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep, empty_of);
   }
   const I t = t32, h = h32;
@@ -621,7 +609,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state
                                         va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k);
   } else {
     c = merge_pack_opt<Tin, Tout, VEC, FEAT, ZK_BLOCK_merge_state_heads_kernel, int>(
-        live, t, h, p, (int)gridDim.y, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st,
+        live, t, h, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st,
         vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k,
         Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0}, keep,
         [&](int tok) { return a_row_empty<(FEAT & F_A64) != 0>(a_cu, a_lens, a_batch, (int)gridDim.y, tok); });

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from batches import LYING_CASES
 from conftest import assert_close, f64
 from test_launch_paths import recorded  # noqa: F401 - the fixture: CPU tensors down the GPU path
 
@@ -311,41 +312,43 @@ def test_a_empty_on_every_size_class(launched, cls, index_dtype):
     _expect_kernel(launched, cls, bit)
 
 
-def _lying_requests(T, index_dtype, seed):
-    """Offsets that lie: decreasing, negative, past T, an empty span; a third of them empty."""
-    g = np.random.default_rng(seed)
-    cu = np.concatenate([[0], np.sort(g.integers(1, T, 40)), [T]])
-    cu[5], cu[6] = cu[6] + 100, cu[5]
-    cu[10], cu[20], cu[30] = -50, T + 1000, cu[29]
-    lens = g.integers(1, 50, len(cu) - 1)
-    lens[g.choice(len(lens), len(lens) // 3, replace=False)] = 0
-    return torch.tensor(cu, dtype=index_dtype, device="cuda"), torch.tensor(
-        lens, dtype=index_dtype, device="cuda"
-    )
+BIG_T = 33000  # x 8 heads x 16 packs of bf16: past 2^22 threads, the block-shared a_empty search
+_LIES = {c.id: c for c in LYING_CASES}
+SHARED_SEARCH_CASES = ("past_T", "negative_first", "decreasing", "decreasing_overlap", "uncovered_rows",
+                       "above_2^31", "huge_negative")  # fmt: skip
+
+
+def _scaled(case):
+    """A lying case's offsets at BIG_T (small values scaled by BIG_T / T, extreme ones kept),
+    as tensors of its narrowest index dtype."""
+    k = BIG_T // case.T
+    cu = [c * k if abs(c) <= 2**20 else c for c in case.cu]
+    dtype = case.index_dtypes[0]
+    return torch.tensor(cu, dtype=dtype, device="cuda"), torch.tensor(case.kv, dtype=dtype, device="cuda")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["TH", "HT"])
-@pytest.mark.parametrize("offsets", ["requests", "lying"])
+@pytest.mark.parametrize(
+    ("layout", "offsets"), [("TH", "requests"), ("HT", "requests"), *(("TH", c) for c in SHARED_SEARCH_CASES)]
+)
 def test_a_empty_block_shared_search_on_grids_of_many_threads(launched, layout, offsets):
     """Grids of 2^22 threads and more search once per token of a block (merge.cu,
-    A_SHARED_THREADS): 4 tokens a block, requests that straddle blocks, offsets that lie."""
-    T, H, D, dtype = 33000, 8, 128, torch.bfloat16  # 33000 x 8 x 16 packs > 2^22 threads
+    A_SHARED_THREADS): 4 tokens a block, requests that straddle blocks, offsets that lie
+    (tests/batches.py's cases, scaled)."""
+    T, H, D, dtype = BIG_T, 8, 128, torch.bfloat16
     va, vb = _v(T, H, D, dtype, layout, 11), _v(T, H, D, dtype, layout, 12)
     sa, sb = _lse(T, H, layout, 13), _lse(T, H, layout, 14)
-    index_dtype = torch.int32 if offsets == "requests" else torch.int64
-    cu, lens = _requests(T, index_dtype, 15) if offsets == "requests" else _lying_requests(T, index_dtype, 15)
+    cu, lens = _requests(T, torch.int32, 15) if offsets == "requests" else _scaled(_LIES[offsets])
     rows = reference.rows_with_empty_a(f64(cu).astype(np.int64), f64(lens).astype(np.int64), T)
-    assert 0 < rows.sum() < T
+    assert offsets != "requests" or 0 < rows.sum() < T
     va[torch.from_numpy(rows).cuda()] = NAN  # garbage where state a is empty
-    out = torch.full((T, H, D), NAN, device="cuda").to(dtype)
-    lse = torch.full((T, H), NAN, device="cuda")
+    out, lse = torch.full((T, H, D), NAN, device="cuda").to(dtype), torch.full((T, H), NAN, device="cuda")
     lse = lse.T.contiguous().T if layout == "HT" else lse
     zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, a_empty=(cu, lens))
     ro, rl = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb), a_empty_rows=rows)
     assert_close(out, ro, dtype, "out")
     assert_close(lse, rl, torch.float32, "lse")
-    bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if index_dtype == torch.int64 else 0)
+    bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if cu.dtype == torch.int64 else 0)
     assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
 
 

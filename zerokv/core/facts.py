@@ -52,17 +52,25 @@ def read_two(objs: tuple, lse_ht: bool = False) -> TwoFacts | None:
     rank (the full validation then says which). ``lse_ht``: the LSEs are ``[H, T]`` tensors,
     read as their ``[T, H]`` transposes (no view made)."""
     try:
-        return _read_two(objs, True, lse_ht, objs)  # torch tensors: any other object has no data_ptr
-    except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a sparse tensor
-        pass
+        return _read_two(objs, True, lse_ht, *objs)  # torch tensors: any other object has no data_ptr
+    except _UNREADABLE:
+        return _read_generic(_read_two, objs, lse_ht)
+
+
+_UNREADABLE = (AttributeError, TypeError, ValueError, RuntimeError)  # RuntimeError: a sparse tensor
+
+
+def _read_generic(reader: Any, objs: tuple, *extra: Any) -> Any:
+    """``reader`` over the objects' generic facts (CuPy, DLPack producers, torch mixed with
+    them); None when one cannot be read."""
     try:
         gen = tuple(generic(x) for x in objs)
-        return _read_two(objs, _family(gen), lse_ht, gen)
-    except (AttributeError, TypeError, ValueError, RuntimeError):
+        return reader(objs, _family(gen), *extra, *gen)
+    except _UNREADABLE:
         return None
 
 
-def _read_two(objs: tuple, torch: bool, ht: bool, xs: tuple) -> TwoFacts:
+def _read_two(objs: tuple, torch: bool, ht: bool, *xs: Any) -> TwoFacts:
     """``xs``: the tensors (``objs`` or their generic facts), out_block_scale last when given."""
     if len(xs) == 11:
         v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks = xs
@@ -166,7 +174,6 @@ def _read_two(objs: tuple, torch: bool, ht: bool, xs: tuple) -> TwoFacts:
 
 
 _VECTOR_BYTES = _layout.VECTOR_BYTES
-read_two_torch = _read_two  # (objs, True, lse_ht, objs): torch tensors only; raises on anything else
 
 
 def _read_block_scale(f: Any, sig: list, bscale: Any) -> bool:
@@ -245,13 +252,8 @@ class NFacts:
 def read_n(objs: tuple) -> NFacts | None:
     try:
         return _read_n(objs, True, *objs)
-    except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a sparse tensor
-        pass
-    try:
-        gen = tuple(generic(x) for x in objs)
-        return _read_n(objs, _family(gen), *gen)
-    except (AttributeError, TypeError, ValueError, RuntimeError):
-        return None
+    except _UNREADABLE:
+        return _read_generic(_read_n, objs)
 
 
 def _read_n(objs, torch, v, s, out, out_lse, scale, sinks, bscale=None) -> NFacts:
@@ -325,13 +327,8 @@ class RowsFacts:
 def read_rows(objs: tuple) -> RowsFacts | None:
     try:
         return _read_rows(objs, True, *objs)
-    except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a sparse tensor
-        pass
-    try:
-        gen = tuple(generic(x) for x in objs)
-        return _read_rows(objs, _family(gen), *gen)
-    except (AttributeError, TypeError, ValueError, RuntimeError):
-        return None
+    except _UNREADABLE:
+        return _read_generic(_read_rows, objs)
 
 
 def _read_rows(objs, torch, out, lse, cu, lens) -> RowsFacts:

@@ -127,10 +127,7 @@ def two(
         lse_base, prefix_rows is None, suffix_verbatim, out is None if allocate_lse is None else allocate_lse,
         quant_group, scale_format, lse_ht is not None,
     )  # fmt: skip
-    try:  # torch tensors read directly (the common call); anything else through read_two
-        f = _facts.read_two_torch(objs, True, lse_ht is not None, objs)
-    except (AttributeError, TypeError, ValueError, RuntimeError):  # RuntimeError: a sparse tensor
-        f = _facts.read_two(objs, lse_ht is not None)
+    f = _facts.read_two(objs, lse_ht is not None)
     if f is None or f.device < 0:
         return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
     try:
@@ -163,16 +160,25 @@ def _cpu_two(
     objs = _th_views(objs, lse_ht, names)
     v = _merge_checks.two(objs, scalars[0], prefix_rows, names, scalars[4:6])
     host_only(v["device"])
-    va, T, H, D = v["va"], v["T"], v["H"], v["D"]
-    out, out_lse, o, ol = objs[4], objs[5], v["out"], v["out_lse"]
-    if o is None:
-        out = _outputs.new(va.obj, va.is_torch, -1, (T, H, D), va.dtype)
-        o = _checks.view(out, "out")
-    if ol is None and scalars[3]:
-        out_lse = _outputs.new(va.obj, va.is_torch, -1, (T, H), "float32")
-        ol = _checks.view(out_lse, "out_lse")
+    T, H, D = v["T"], v["H"], v["D"]
+    out, out_lse, o, ol = cpu_outputs(
+        v["va"], objs[4], objs[5], v["out"], v["out_lse"], (T, H, D), scalars[3]
+    )
     _cpu.merge_two(v, o, ol, T if prefix_rows is None else prefix_rows, scalars[2])
     return out, out_lse
+
+
+def cpu_outputs(like: Any, out: Any, out_lse: Any, o: Any, ol: Any, shape: tuple, want_lse: bool) -> tuple:
+    """The CPU path's ``(out, out_lse, out view, out_lse view)``: those the call left as None
+    allocated on the host like ``like`` (the LSE only when ``want_lse``)."""
+    T, H, D = shape
+    if o is None:
+        out = _outputs.new(like.obj, like.is_torch, -1, (T, H, D), like.dtype)
+        o = _checks.view(out, "out")
+    if ol is None and want_lse:
+        out_lse = _outputs.new(like.obj, like.is_torch, -1, (T, H), "float32")
+        ol = _checks.view(out_lse, "out_lse")
+    return out, out_lse, o, ol
 
 
 def host_only(device: int) -> None:
@@ -216,9 +222,7 @@ class TwoPlan(Plan):
             _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6])
             f.prefix_rows = T if prefix_rows is None else prefix_rows
             widest, s32 = _exact_two(f, self)
-        out, out_lse = f.objs[4], f.objs[5]
-        if out is None or (out_lse is None and self.allocate_lse):
-            out, out_lse = self.outputs(f, out, out_lse, T, H, D)
+        out, out_lse = self.outputs(f, f.objs[4], f.objs[5], T, H, D)
         if T * H == 0:
             return out, out_lse
         pl = f.olse

@@ -6,15 +6,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-from . import checks as _checks
 from . import cpu_path as _cpu
 from . import facts as _facts
 from . import forms as _forms
 from . import merge_checks as _merge_checks
-from . import outputs as _outputs
 from . import plans as _plans
 from .layout import INT32, distinct
-from .merge_plans import Plan, block_scale_check, host_only, widest_span
+from .merge_plans import Plan, block_scale_check, cpu_outputs, host_only, widest_span
 from .tensors import torch_tensor_type
 
 
@@ -43,15 +41,8 @@ def _quant(scalars: tuple) -> tuple:
 def _cpu_n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     v = _merge_checks.n(objs, scalars[0], _quant(scalars))
     host_only(v["device"])
-    vt, o, ol = v["v"], v["out"], v["out_lse"]
-    _, T, H, D = vt.shape
-    out, out_lse = objs[2], objs[3]
-    if o is None:
-        out = _outputs.new(vt.obj, vt.is_torch, -1, (T, H, D), vt.dtype)
-        o = _checks.view(out, "out")
-    if ol is None and scalars[1]:
-        out_lse = _outputs.new(vt.obj, vt.is_torch, -1, (T, H), "float32")
-        ol = _checks.view(out_lse, "out_lse")
+    vt = v["v"]
+    out, out_lse, o, ol = cpu_outputs(vt, objs[2], objs[3], v["out"], v["out_lse"], vt.shape[1:], scalars[1])
     _cpu.merge_states(v, o, ol)
     return out, out_lse
 
