@@ -52,7 +52,7 @@ def read_two(objs: tuple, lse_ht: bool = False) -> TwoFacts | None:
     rank (the full validation then says which). ``lse_ht``: the LSEs are ``[H, T]`` tensors,
     read as their ``[T, H]`` transposes (no view made)."""
     try:
-        return _read_two(objs, True, lse_ht, *objs)  # torch tensors: any other object has no data_ptr
+        return _read_two(objs, True, lse_ht, objs)  # torch tensors: any other object has no data_ptr
     except _UNREADABLE:
         return _read_generic(_read_two, objs, lse_ht)
 
@@ -61,16 +61,16 @@ _UNREADABLE = (AttributeError, TypeError, ValueError, RuntimeError)  # RuntimeEr
 
 
 def _read_generic(reader: Any, objs: tuple, *extra: Any) -> Any:
-    """``reader`` over the objects' generic facts (CuPy, DLPack producers, torch mixed with
+    """``reader(objs, family, *extra, facts)`` over the objects' generic facts (CuPy, DLPack producers, torch mixed with
     them); None when one cannot be read."""
     try:
         gen = tuple(generic(x) for x in objs)
-        return reader(objs, _family(gen), *extra, *gen)
+        return reader(objs, _family(gen), *extra, gen)
     except _UNREADABLE:
         return None
 
 
-def _read_two(objs: tuple, torch: bool, ht: bool, *xs: Any) -> TwoFacts:
+def _read_two(objs: tuple, torch: bool, ht: bool, xs: tuple) -> TwoFacts:
     """``xs``: the tensors (``objs`` or their generic facts), out_block_scale last when given."""
     if len(xs) == 11:
         v_a, s_a, v_b, s_b, out, out_lse, cu, lens, mask, scale, sinks = xs
@@ -251,12 +251,14 @@ class NFacts:
 
 def read_n(objs: tuple) -> NFacts | None:
     try:
-        return _read_n(objs, True, *objs)
+        return _read_n(objs, True, objs)
     except _UNREADABLE:
         return _read_generic(_read_n, objs)
 
 
-def _read_n(objs, torch, v, s, out, out_lse, scale, sinks, bscale=None) -> NFacts:
+def _read_n(objs: tuple, torch: bool, xs: tuple) -> NFacts:
+    v, s, out, out_lse, scale, sinks, *rest = xs  # out_block_scale last when given
+    bscale = rest[0] if rest else None
     # straight-line as _read_two (alignment as layout.aligned, written out)
     f = NFacts()
     f.objs, f.torch = objs, torch is True
@@ -326,12 +328,13 @@ class RowsFacts:
 
 def read_rows(objs: tuple) -> RowsFacts | None:
     try:
-        return _read_rows(objs, True, *objs)
+        return _read_rows(objs, True, objs)
     except _UNREADABLE:
         return _read_generic(_read_rows, objs)
 
 
-def _read_rows(objs, torch, out, lse, cu, lens) -> RowsFacts:
+def _read_rows(objs: tuple, torch: bool, xs: tuple) -> RowsFacts:
+    out, lse, cu, lens = xs
     # straight-line as _read_two (alignment as layout.aligned, written out)
     f = RowsFacts()
     f.objs, f.torch = objs, torch is True
