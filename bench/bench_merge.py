@@ -226,12 +226,12 @@ def options_tasks(b: Bench, part: str) -> list[Task]:
 
 def _requests(torch: Any, T: int, frac: float, dev: Any, seed: int) -> tuple[Any, Any, Any]:
     """``(cu_seqlens_q, kv_lens, cu_seqlens_kv)`` int32 of equal requests (T / 16 of them up to
-    64, at least 1), a fraction ``frac`` of them with no context."""
+    64, at least 1), a fraction ``frac`` of them with no context (at least one unless 0)."""
     B = max(1, min(64, T // 16))
     g = torch.Generator().manual_seed(seed)
     cu = torch.linspace(0, T, B + 1).round().to(torch.int32)
     kv = torch.randint(1, 4096, (B,), generator=g, dtype=torch.int32)
-    kv[torch.randperm(B, generator=g)[: max(1, round(frac * B))]] = 0
+    kv[torch.randperm(B, generator=g)[: max(1, round(frac * B)) if frac else 0]] = 0
     ctx = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(kv, 0).to(torch.int32)])
     return cu.to(dev), kv.to(dev), ctx.to(dev)
 
@@ -256,7 +256,7 @@ def run_options(T: int, b: Bench) -> list[Row]:
     out8 = torch.empty(K, T, H, D, device=dev, dtype=torch.float8_e4m3fn)
     lse = torch.empty(K, T, H, device=dev)
     scales = torch.empty(K, T, H * D // QUANT_GROUP, device=dev)
-    reqs = {f: _requests(torch, T, f, dev, seed=T) for f in (0.25, 0.5)}
+    reqs = {f: _requests(torch, T, f, dev, seed=T) for f in (0.0, 0.25, 0.5)}
     sinks = torch.randn(H, device=dev)
     mask = torch.rand(T, device=dev) < 0.9
     scale = torch.tensor([0.02], device=dev)
@@ -297,6 +297,7 @@ def run_options(T: int, b: Bench) -> list[Row]:
 
     impls: list[tuple[str, Any, dict]] = [
         (ZEROKV, plain, {"option": "none"}),
+        (ZEROKV, a_empty(0.0), {"option": "a_empty", "empty": 0.0}),
         (ZEROKV, a_empty(0.25), {"option": "a_empty", "empty": 0.25}),
         (ZEROKV, a_empty(0.5), {"option": "a_empty", "empty": 0.5}),
         ("zerokv fixup + merge", fixup_then_plain(0.25), {"option": "a_empty", "empty": 0.25}),
@@ -315,7 +316,7 @@ def run_options(T: int, b: Bench) -> list[Row]:
         (ZEROKV, group_fp8("ue8m0"), {"option": "group_fp8", "scale_format": "ue8m0"}),
     ]  # fmt: skip
     if not b.dry:  # a direct launch: GPU tensors only
-        for f in (0.25, 0.5):
+        for f in (0.0, 0.25, 0.5):
             impls.append(("zerokv, v_a after the search", skip(f), {"option": "a_empty", "empty": f}))
     if baselines.triton_runs(b.dry):
         impls.append((TRITON, triton_group(False), {"option": "group_fp8", "scale_format": "float32"}))

@@ -103,31 +103,48 @@ __device__ __forceinline__ bool a_row_empty(const void* cu, const void* lens, in
   return clip_row(start, T) <= t && t < clip_row(end, T) && len == 0;
 }
 
+// |x| as its bits with the sign cleared (fabsf under -ftz is an FADD that flushes denormals)
+__device__ __forceinline__ float abs_bits(float x) {
+  float r;
+  asm("abs.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
+// max with NaN propagation (sm_80 on): one instruction, |x| an operand modifier
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // vLLM's per-group fp8 rule for the group of packs this thread's pack belongs to (2^g_shr
-// consecutive threads, aligned): absmax over the group (an unsigned max of |x|'s bits: NaN
-// wins over inf over any finite value, so NaN shows), scale = max(absmax, 1e-10) / 448 in
-// IEEE division, rounded up to a power of two when ue8m0. Every thread of the warp calls it
-// (shuffles); groups wider than a warp (VEC 1 only) meet through shared memory.
+// consecutive threads, aligned): absmax over the group (NaN wins over any other value, so NaN
+// shows), scale = max(absmax, 1e-10) / 448 correctly rounded, rounded up to a power of two when
+// ue8m0. Every thread of the warp calls it (shuffles); groups wider than a warp (VEC 1 only)
+// meet through shared memory.
 template <int VEC, int BLOCK>
 __device__ __forceinline__ float group_scale(const float* x, int g_shr, int ue8m0) {
-  unsigned m = 0u;
+  float m = 0.f;
 #pragma unroll
-  for (int j = 0; j < VEC; ++j) m = max(m, __float_as_uint(x[j]) & 0x7fffffffu);
+  for (int j = 0; j < VEC; ++j) m = max_nan(m, abs_bits(x[j]));
   const int lanes = 1 << g_shr;
-  for (int o = 1; o < lanes && o < 32; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1)  // every step, a lane's own value past the group's width: no loop
+    m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o & (lanes - 1)));
   if constexpr (VEC == 1) {
     if (lanes > 32) {  // the same for every thread of the block
-      __shared__ unsigned s_max[BLOCK / 32];
+      __shared__ float s_max[BLOCK / 32];
       if ((threadIdx.x & 31u) == 0u) s_max[threadIdx.x >> 5] = m;
       __syncthreads();
       const int warps = lanes >> 5, w0 = (int)(threadIdx.x >> 5) & ~(warps - 1);
-      for (int w = 0; w < warps; ++w) m = max(m, s_max[w0 + w]);
+      for (int w = 0; w < warps; ++w) m = max_nan(m, s_max[w0 + w]);
     }
   }
-  const float amax = __uint_as_float(m);
-  float s;
-  asm("div.rn.f32 %0, %1, %2;" : "=f"(s) : "f"(fmaxf(amax, 1e-10f)), "f"(448.f));
-  s = amax != amax ? amax : s;
+  // a / 448 correctly rounded for a normal a in three instructions (Markstein, as divide_rn
+  // below, with 1 / 448 rounded at compile time); inf and NaN stay as they are
+  const float a = max_nan(m, 1e-10f), y = 1.f / 448.f;
+  const float q = __fmul_rn(a, y);
+  const float s = a < __int_as_float(0x7f800000) ? fmaf(-fmaf(q, 448.f, -a), y, q) : a;
   unsigned u = __float_as_uint(s);
   if (ue8m0 && (u & 0x7fffffu) && u < 0x7f800000u) u = (u & 0xff800000u) + 0x800000u;  // 2^ceil(log2 s)
   return __uint_as_float(u);
@@ -140,9 +157,9 @@ __device__ __forceinline__ float div_rn(float x, float y) {
 }
 
 // x[j] / d correctly rounded (as div.rn) for a positive normal d, in three instructions a value:
-// y = 1 / d correctly rounded (once), q = x y, r = x - q d (exact, an FMA), q + r y rounded is
-// x / d rounded (Markstein's theorem; r = 0: q is exact, kept as it is for its sign of zero).
-// d = inf or NaN (a group holding inf or NaN) takes div.rn itself.
+// y = 1 / d correctly rounded (once), q = x y, r = q d - x (exact, an FMA), q - r y rounded is
+// x / d rounded (Markstein's theorem); the residual's sign is chosen so that r = 0 leaves q
+// with its sign of zero. d = inf or NaN (a group holding inf or NaN) takes div.rn itself.
 template <int VEC>
 __device__ __forceinline__ void divide_rn(float* x, float d) {
   if (d < __int_as_float(0x7f800000)) {
@@ -150,9 +167,8 @@ __device__ __forceinline__ void divide_rn(float* x, float d) {
     asm("rcp.rn.f32 %0, %1;" : "=f"(y) : "f"(d));
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
-      const float q = x[j] * y;
-      const float r = fmaf(-q, d, x[j]);
-      x[j] = r != 0.f ? fmaf(r, y, q) : q;
+      const float q = __fmul_rn(x[j], y);
+      x[j] = fmaf(-fmaf(q, d, -x[j]), y, q);
     }
   } else {
 #pragma unroll

@@ -274,9 +274,9 @@ def _outputs(cls, dtype):
     return out, (lse.T.contiguous().T if layout == "HT" else lse)
 
 
-def _requests(T, index_dtype, seed):
+def _requests(T, index_dtype, seed, batch=9):
     g = np.random.default_rng(seed)
-    B = max(1, min(9, T))
+    B = max(1, min(batch, T))
     cuts = np.sort(g.choice(np.arange(1, T), B - 1, replace=False)) if B > 1 and T > B else np.arange(1, B)
     cu = np.concatenate([[0], cuts, [T]])
     lens = g.integers(1, 50, B)
@@ -327,20 +327,39 @@ def _scaled(case):
     return torch.tensor(cu, dtype=dtype, device="cuda"), torch.tensor(case.kv, dtype=dtype, device="cuda")
 
 
+# requests of a block-shared search: (batch, index dtype); many requests make the search deep
+_SHARED_BATCHES = {
+    "requests": (9, torch.int32),
+    "400 requests": (400, torch.int64),
+    "700 requests": (700, torch.int32),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    ("layout", "offsets"), [("TH", "requests"), ("HT", "requests"), *(("TH", c) for c in SHARED_SEARCH_CASES)]
+    ("layout", "offsets"),
+    [
+        ("TH", "requests"),
+        ("HT", "requests"),
+        ("TH", "400 requests"),
+        ("HT", "700 requests"),
+        *(("TH", c) for c in SHARED_SEARCH_CASES),
+    ],
 )
 def test_a_empty_block_shared_search_on_grids_of_many_threads(launched, layout, offsets):
     """Grids of 2^22 threads and more search once per token of a block (merge.cu,
-    A_SHARED_THREADS): 4 tokens a block, requests that straddle blocks, offsets that lie
-    (tests/batches.py's cases, scaled)."""
+    A_SHARED_THREADS): 4 tokens a block, requests that straddle blocks, up to 700 of them,
+    offsets that lie (tests/batches.py's cases, scaled)."""
     T, H, D, dtype = BIG_T, 8, 128, torch.bfloat16
     va, vb = _v(T, H, D, dtype, layout, 11), _v(T, H, D, dtype, layout, 12)
     sa, sb = _lse(T, H, layout, 13), _lse(T, H, layout, 14)
-    cu, lens = _requests(T, torch.int32, 15) if offsets == "requests" else _scaled(_LIES[offsets])
+    if offsets in _SHARED_BATCHES:
+        batch, index_dtype = _SHARED_BATCHES[offsets]
+        cu, lens = _requests(T, index_dtype, 15, batch)
+    else:
+        cu, lens = _scaled(_LIES[offsets])
     rows = reference.rows_with_empty_a(f64(cu).astype(np.int64), f64(lens).astype(np.int64), T)
-    assert offsets != "requests" or 0 < rows.sum() < T
+    assert offsets not in _SHARED_BATCHES or 0 < rows.sum() < T
     va[torch.from_numpy(rows).cuda()] = NAN  # garbage where state a is empty
     out, lse = torch.full((T, H, D), NAN, device="cuda").to(dtype), torch.full((T, H), NAN, device="cuda")
     lse = lse.T.contiguous().T if layout == "HT" else lse
