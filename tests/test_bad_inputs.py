@@ -229,6 +229,13 @@ MERGE_STATES = Family("merge_states", _n, _calls(zerokv.merge_states, ("v", "s")
 OPS_MERGE_STATES = Family(
     "torch.ops.merge_states", _n, _calls(ops.merge_states, ("v", "s"), ("lse_base", "sinks")), {}, TORCH
 )
+OPS_MERGE_STATES_OUT = Family(
+    "torch.ops.merge_states_out",
+    _n,
+    _calls(ops.merge_states_out, ("v", "s", "out", "out_lse"), ("lse_base", "out_scale", "sinks")),
+    {},
+    TORCH,
+)
 FI_STATES = Family("flashinfer.merge_states", _tn, _calls(flashinfer.merge_states, ("v", "s")), {})
 
 _FIXUP_NAMES = {"cu": "cu_seqlens_q", "lens": "kv_lens"}
@@ -302,7 +309,7 @@ PLAN = Family("plan_context_chunks", _plan, _plan_call, {})
 
 FAMILIES = [
     MERGE_STATE, VLLM_MERGE, SGLANG_MERGE, OPS_MERGE_OUT, OPS_MERGE, FI_MERGE, FI_IN_PLACE, MERGE_STATES,
-    OPS_MERGE_STATES, FI_STATES, FIXUP, MASK, SGLANG_FIXUP, VLLM_MASK, OPS_FIXUP, OPS_MASK, PLAN,
+    OPS_MERGE_STATES, OPS_MERGE_STATES_OUT, FI_STATES, FIXUP, MASK, SGLANG_FIXUP, VLLM_MASK, OPS_FIXUP, OPS_MASK, PLAN,
 ]  # fmt: skip
 
 
@@ -552,7 +559,7 @@ def _states_share(a, r, f):
     return {"out": buf.view(T, H, D), "out_lse": buf[7 : 7 + T * H].view(T, H)}
 
 
-cases([MERGE_STATES], [
+cases([MERGE_STATES, OPS_MERGE_STATES_OUT], [
     ("out-is-v[0]", ValueError, ["out", "v"], lambda a, r, f: {"out": r["v"][0]}),
     ("out_lse-is-s[1]", ValueError, ["out_lse", "s"], lambda a, r, f: {"out_lse": r["s"][1]}),
     ("out-shifted-inside-v", ValueError, ["out", "v"],
@@ -569,7 +576,7 @@ cases([MERGE_STATES], [
     ("v-int32", TypeError, "v", lambda a, r, f: {"v": a.rand((N, T, H, D), I32)}),
     ("s-on-the-cpu", ValueError, "s", lambda a, r, f: {"s": a.rand((N, T, H), device="cpu")}, CUDA),
 ])
-cases([MERGE_STATES, OPS_MERGE_STATES], [
+cases([MERGE_STATES, OPS_MERGE_STATES, OPS_MERGE_STATES_OUT], [
     ("v-3d", ValueError, "v", lambda a, r, f: {"v": a.rand((T, H, D))}),
     ("s-wrong-shape", ValueError, "s", lambda a, r, f: {"s": a.rand((N, T, H + 1))}),
     ("lse_base-ten", ValueError, "lse_base", lambda a, r, f: {"lse_base": "ten"}),

@@ -1,15 +1,17 @@
-"""torch.ops.zerokv.*: schemas, fake implementations, and torch.compile with mutation."""
+"""torch.ops.zerokv.*: schemas, fake implementations, torch.compile with mutation, fp8 outputs."""
 
 from __future__ import annotations
 
+import numpy as np
 import oracles
 import pytest
 import torch
 from batches import empty_rows, garbage_state, make_batch
-from conftest import assert_close
+from conftest import assert_close, f64
 from states import make_states
 
 import zerokv  # noqa: F401  (registers torch.ops.zerokv)
+from zerokv import reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -50,3 +52,70 @@ def test_compile_with_in_place_fixup_then_merge(device, backend):
     ref_out, ref_lse = oracles.merge2(fixed_out, fixed_lse, v_b, s_b)
     assert_close(got[0], ref_out, torch.float32)
     assert_close(got[1], ref_lse, torch.float32)
+
+
+def _fp8_outputs(T, H, D, group, device):
+    out = torch.full((T, H, D), float("nan"), device=device).to(torch.float8_e4m3fn)  # NaN poison: 0x7f
+    return (
+        out,
+        torch.full((T, H), float("nan"), device=device),
+        torch.full((T, H * D // group), float("nan"), device=device),
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("group", "fmt"), [(32, "ue8m0"), (128, "float32")])
+def test_the_out_ops_write_per_group_fp8_as_the_reference(device, group, fmt):
+    """merge_state_out / merge_states_out with out_block_scale: equal LSEs, so that the merged
+    rows are exact in float32 and the fp8 values and scales compare bit for bit."""
+    T, H, D = 37, 4, 128
+    v_a, s_a, v_b, _ = make_states(T, H, D, torch.bfloat16, device, seed=6, edges=False)
+    s_b = s_a.clone()
+    ro, rl = reference.merge_state(f64(v_a), f64(s_a), f64(v_b), f64(s_b))
+    values, scales = reference.fp8_group_scales(ro, group, fmt == "ue8m0")
+    want = torch.from_numpy(values).float().to(torch.float8_e4m3fn).view(torch.uint8)
+    ops = torch.ops.zerokv
+    for call in ("two", "n"):
+        out, lse, bs = _fp8_outputs(T, H, D, group, device)
+        kw = {"out_block_scale": bs, "quant_group": group, "scale_format": fmt}
+        if call == "two":
+            ops.merge_state_out(v_a, s_a, v_b, s_b, out, lse, **kw)
+        else:
+            ops.merge_states_out(torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out, lse, **kw)
+        assert torch.equal(out.cpu().view(torch.uint8), want), call
+        assert np.array_equal(f64(bs), scales), call
+        assert_close(lse, rl, torch.float32)
+
+
+# torch's schema test multiplies the outputs, which fp8 tensors do not take on the CPU
+_FP8_CHECKS = ("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_of_the_per_group_fp8_outputs(device):
+    T, H, D, group = 9, 2, 64, 32
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, device, seed=7, edges=False)
+    ops = torch.ops.zerokv
+    out, lse, bs = _fp8_outputs(T, H, D, group, device)
+    kw = {"out_block_scale": bs, "quant_group": group, "scale_format": "float32"}
+    checks = _FP8_CHECKS if device == "cpu" else (*_FP8_CHECKS, "test_schema")
+    torch.library.opcheck(ops.merge_state_out.default, (v_a, s_a, v_b, s_b, out, lse), kw, test_utils=checks)
+    v, s = torch.stack([v_a, v_b, v_a]), torch.stack([s_a, s_b, s_b])
+    torch.library.opcheck(ops.merge_states_out.default, (v, s, out, lse), kw, test_utils=checks)
+    torch.library.opcheck(ops.merge_states_out.default, (v, s, torch.empty_like(v_a), None))
+
+
+def test_the_out_ops_reject_a_bad_group_and_write_nothing():
+    T, H, D = 5, 2, 64
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, "cpu", seed=8, edges=False)
+    out, lse, bs = _fp8_outputs(T, H, D, 32, "cpu")
+    before = out.view(torch.uint8).clone(), bs.view(torch.int32).clone(), lse.view(torch.int32).clone()
+    with pytest.raises(ValueError, match="quant_group"):
+        torch.ops.zerokv.merge_state_out(v_a, s_a, v_b, s_b, out, lse, out_block_scale=bs, quant_group=24)
+    with pytest.raises(ValueError, match="scale_format"):
+        torch.ops.zerokv.merge_states_out(
+            torch.stack([v_a, v_b]), torch.stack([s_a, s_b]), out, lse, out_block_scale=bs, quant_group=32,
+            scale_format="e8m0",
+        )  # fmt: skip
+    after = out.view(torch.uint8), bs.view(torch.int32), lse.view(torch.int32)
+    assert all(torch.equal(x, y) for x, y in zip(after, before, strict=True))

@@ -7,12 +7,15 @@ so that torch.compile can trace them without running them::
     torch.ops.zerokv.merge_state(v_a, s_a, v_b, s_b)                    -> (out, out_lse)
     torch.ops.zerokv.merge_state_out(v_a, s_a, v_b, s_b, out, out_lse)  -> ()  (writes out, out_lse)
     torch.ops.zerokv.merge_states(v, s)                                 -> (out, out_lse)
+    torch.ops.zerokv.merge_states_out(v, s, out, out_lse)               -> ()  (writes out, out_lse)
     torch.ops.zerokv.fixup_zero_kv_rows(out, lse, kv_lens, cu_seqlens_q)        -> ()  (in place)
     torch.ops.zerokv.mask_empty_context(out, lse, cu_seqlens_q, cu_seqlens_kv)  -> ()  (in place)
 
 The merges take ``sinks`` (float32 ``[H]`` attention-sink logits) and ``a_cu_seqlens_q`` /
-``a_kv_lens`` (both or neither: the native ``a_empty`` pair). Importing :mod:`zerokv` registers
-them when torch is installed.
+``a_kv_lens`` (both or neither: the native ``a_empty`` pair); the ``_out`` forms take fp8
+outputs with ``out_scale`` or per-group scales (``out_block_scale``, ``quant_group``,
+``scale_format``: as :func:`zerokv.merge_state`). Importing :mod:`zerokv` registers them when
+torch is installed.
 """
 
 from __future__ import annotations
@@ -33,9 +36,15 @@ _lib.define(
 _lib.define(
     "merge_state_out(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, Tensor(a!) out, Tensor(b!)? out_lse, "
     "str lse_base='e', SymInt? prefix_rows=None, Tensor? a_cu_seqlens_q=None, Tensor? a_kv_lens=None, "
-    "Tensor? out_scale=None, Tensor? sinks=None) -> ()"
+    "Tensor? out_scale=None, Tensor? sinks=None, Tensor(c!)? out_block_scale=None, int? quant_group=None, "
+    "str scale_format='float32') -> ()"
 )
 _lib.define("merge_states(Tensor v, Tensor s, str lse_base='e', Tensor? sinks=None) -> (Tensor, Tensor)")
+_lib.define(
+    "merge_states_out(Tensor v, Tensor s, Tensor(a!) out, Tensor(b!)? out_lse, str lse_base='e', "
+    "Tensor? out_scale=None, Tensor? sinks=None, Tensor(c!)? out_block_scale=None, int? quant_group=None, "
+    "str scale_format='float32') -> ()"
+)
 _lib.define("fixup_zero_kv_rows(Tensor(a!) out, Tensor(b!) lse, Tensor kv_lens, Tensor cu_seqlens_q) -> ()")
 _lib.define(
     "mask_empty_context(Tensor(a!) out, Tensor(b!) lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv) -> ()"
@@ -79,6 +88,9 @@ def _merge_state_out(
     a_kv_lens=None,
     out_scale=None,
     sinks=None,
+    out_block_scale=None,
+    quant_group=None,
+    scale_format="float32",
 ):
     a_empty = None if a_cu_seqlens_q is None and a_kv_lens is None else _a_empty(a_cu_seqlens_q, a_kv_lens)
     _merge_plans.two(
@@ -97,6 +109,9 @@ def _merge_state_out(
         False,
         None,
         _NAMES,
+        out_block_scale,
+        quant_group,
+        scale_format,
     )
 
 
@@ -104,10 +119,19 @@ def _merge_states(v, s, lse_base="e", sinks=None):
     return _merge_states_plan.n((v, s, None, None, None, sinks), (lse_base, True))
 
 
+def _merge_states_out(
+    v, s, out, out_lse, lse_base="e", out_scale=None, sinks=None, out_block_scale=None, quant_group=None,
+    scale_format="float32",
+):  # fmt: skip
+    objs = (v, s, out, out_lse, out_scale, sinks) + (() if out_block_scale is None else (out_block_scale,))
+    _merge_states_plan.n(objs, (lse_base, False, (quant_group, scale_format)))
+
+
 for _key in ("CPU", "CUDA"):
     _lib.impl("merge_state", _merge_state, _key)
     _lib.impl("merge_state_out", _merge_state_out, _key)
     _lib.impl("merge_states", _merge_states, _key)
+    _lib.impl("merge_states_out", _merge_states_out, _key)
     _lib.impl("fixup_zero_kv_rows", fixup_zero_kv_rows, _key)
     _lib.impl("mask_empty_context", mask_empty_context, _key)
 
@@ -139,8 +163,19 @@ def _merge_state_out_fake(
     a_kv_lens=None,
     out_scale=None,
     sinks=None,
+    out_block_scale=None,
+    quant_group=None,
+    scale_format="float32",
 ):
     _a_empty(a_cu_seqlens_q, a_kv_lens)
+    return None
+
+
+@torch.library.register_fake("zerokv::merge_states_out", lib=_lib)
+def _merge_states_out_fake(
+    v, s, out, out_lse, lse_base="e", out_scale=None, sinks=None, out_block_scale=None, quant_group=None,
+    scale_format="float32",
+):  # fmt: skip
     return None
 
 
