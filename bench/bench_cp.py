@@ -99,13 +99,24 @@ def vllm_design_a2a(torch: Any, v: Any, s: Any, N: int, wire: Any) -> Any:
     ``exp(lse_n - lse)`` (NaN / +inf as -inf; a weight of NaN as 0) and summed in float32.
     Returns ``out [T, H/N, D]`` in ``v``'s dtype."""
     T, H, D = v.shape
-    Hn = H // N
     P = 32 // torch.finfo(wire).bits
-    send = torch.empty((N, T, Hn, D + P), dtype=wire, device=v.device)
-    send[..., :D] = v.view(T, N, Hn, D).transpose(0, 1)
-    send[..., D:] = s.float().view(T, N, Hn).transpose(0, 1).contiguous().unsqueeze(-1).view(wire)
+    send = torch.empty((N, T, H // N, D + P), dtype=wire, device=v.device)
+    vllm_a2a_pack(v, s, N, send)
     recv = torch.empty_like(send)
     torch.distributed.all_to_all_single(recv.view(torch.uint8).view(-1), send.view(torch.uint8).view(-1))
+    return vllm_a2a_combine(torch, recv, D, v.dtype)
+
+
+def vllm_a2a_pack(v: Any, s: Any, N: int, send: Any) -> None:
+    """``vllm_design_a2a``'s pack: ``v [T, H, D]`` and ``s [T, H]`` into ``send [N, T, H/N, D + P]``
+    of the wire dtype, the float32 LSE bitcast into the last ``P`` columns."""
+    T, H, D = v.shape
+    send[..., :D] = v.view(T, N, H // N, D).transpose(0, 1)
+    send[..., D:] = s.float().view(T, N, H // N).transpose(0, 1).contiguous().unsqueeze(-1).view(send.dtype)
+
+
+def vllm_a2a_combine(torch: Any, recv: Any, D: int, dtype: Any) -> Any:
+    """``vllm_design_a2a``'s combine of the received ``[N, T, H/N, D + P]``: ``[T, H/N, D]``."""
     lses = recv[..., D:].contiguous().view(torch.float32).squeeze(-1)  # [N, T, Hn]
     inf = float("inf")
     lses = torch.where(torch.isnan(lses) | (lses == inf), -inf, lses)
@@ -114,8 +125,7 @@ def vllm_design_a2a(torch: Any, v: Any, s: Any, N: int, wire: Any) -> Any:
     lse = torch.log(torch.exp(lses - m).sum(0)) + m
     w = torch.exp(lses - lse)
     w = torch.where(torch.isnan(w), 0.0, w)
-    out = (recv[..., :D].float() * w.unsqueeze(-1)).sum(0)
-    return out.to(v.dtype)
+    return (recv[..., :D].float() * w.unsqueeze(-1)).sum(0).to(dtype)
 
 
 def vllm_design(torch: Any, v: Any, s: Any, N: int, rank: int) -> tuple[Any, Any]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from .bench_cp import vllm_a2a_combine, vllm_a2a_pack
 from .common import Bench, Row, Sets, Task, max_error
 
 OP = "cp_merge a2a kernels"
@@ -101,19 +102,10 @@ def _measure(b: Bench, T: int, H: int, D: int, wire_name: str) -> list[Row]:
     vsend = torch.empty((N, T, Hn, D + P), dtype=wire, device=dev)
 
     def vllm_pack() -> None:
-        vsend[..., :D] = V[0].view(T, N, Hn, D).transpose(0, 1)
-        vsend[..., D:] = S[0].view(T, N, Hn).transpose(0, 1).contiguous().unsqueeze(-1).view(wire)
+        vllm_a2a_pack(V[0], S[0], N, vsend)
 
     def vllm_combine() -> Any:
-        lses = vsend[..., D:].contiguous().view(torch.float32).squeeze(-1)
-        inf = float("inf")
-        lses = torch.where(torch.isnan(lses) | (lses == inf), -inf, lses)
-        m = lses.amax(0)
-        m = torch.where(m == -inf, 0.0, m)
-        lse = torch.log(torch.exp(lses - m).sum(0)) + m
-        wt = torch.exp(lses - lse)
-        wt = torch.where(torch.isnan(wt), 0.0, wt)
-        return (vsend[..., :D].float() * wt.unsqueeze(-1)).sum(0).to(torch.bfloat16)
+        return vllm_a2a_combine(torch, vsend, D, torch.bfloat16)
 
     for r in range(N):
         pack(r)

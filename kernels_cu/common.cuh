@@ -226,13 +226,6 @@ __device__ __forceinline__ Pack<T, VEC> convert_pack(const float* x, float scale
             : "f"(x[4 * j] * scale), "f"(x[4 * j + 1] * scale), "f"(x[4 * j + 2] * scale), "f"(x[4 * j + 3] * scale));
       return o;
     }
-    if constexpr (VEC % 2 == 0) {  // two values an instruction
-      unsigned short* w = reinterpret_cast<unsigned short*>(o.v);
-#pragma unroll
-      for (int j = 0; j < VEC / 2; ++j)
-        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(w[j]) : "f"(x[2 * j + 1] * scale), "f"(x[2 * j] * scale));
-      return o;
-    }
 #endif
 #pragma unroll
     for (int j = 0; j < VEC; ++j) o.v[j] = from_float<T>(x[j] * scale);

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import merge as _merge
 from .core import merge_plans as _merge_plans
 from .core import merge_states_plan as _merge_states_plan
 from .empty_rows import fixup_zero_kv_rows, mask_empty_context
@@ -123,8 +124,10 @@ def _merge_states_out(
     v, s, out, out_lse, lse_base="e", out_scale=None, sinks=None, out_block_scale=None, quant_group=None,
     scale_format="float32",
 ):  # fmt: skip
-    objs = (v, s, out, out_lse, out_scale, sinks) + (() if out_block_scale is None else (out_block_scale,))
-    _merge_states_plan.n(objs, (lse_base, False, (quant_group, scale_format)))
+    _merge.merge_states(
+        v, s, out=out, out_lse=out_lse, lse_base=lse_base, out_scale=out_scale, sinks=sinks,
+        out_block_scale=out_block_scale, quant_group=quant_group, scale_format=scale_format,
+    )  # fmt: skip
 
 
 for _key in ("CPU", "CUDA"):
