@@ -388,21 +388,76 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
   }
 }
 
-// a_empty in the flat forms: whether token t's request is empty. On grids of A_SHARED_THREADS
-// threads and more the search runs once per token of a block instead of once per warp (a chain
-// of about ten instructions a step that every warp would run): the block's tokens t_lo .. t_lo +
-// ntok - 1 (those of its first and last live rows; in tiles of 8 with TILE) are searched by its
-// first threads, one token each, into shared memory; after a barrier every thread reads its
-// token's answer. Smaller grids (a few waves, latency-bound) keep each thread's own search: the
-// barrier's wait cost them more than the instructions it saves (bench/NOTES.md). Called after
-// the thread's loads are issued; every thread of the block calls it.
-constexpr unsigned A_SHARED_THREADS = 1u << 22;
+// a_empty for B <= 64 requests by a warp together (every lane calls it, converged), with loads
+// that wait on nothing: lane j holds cu and kv_lens of entries j and j + 32, and their
+// comparisons with the warp's smallest and largest token become masks (ballots). For offsets in
+// order, "cu <= t" holds on a prefix of the entries, and its length k is the binary search's
+// answer (entry k - 1) without walking it; tokens of the warp between the two take the entries
+// that start between them one by one (one shuffle each; none when the lanes share a token).
+// Returns whether lane's token t is in an empty request, or -1 (for every lane) where the
+// entries are out of order around these tokens: the caller then takes the plain search.
+template <bool A> struct OffsetT { typedef int type; };
+template <> struct OffsetT<true> { typedef i64 type; };
 
-template <bool A64, int BLOCK, bool TILE>
+constexpr int A_WINDOW = 64;
+
+template <bool A64>
+__device__ __forceinline__ int a_row_empty_window(const void* cu, const void* lens, int B, int t) {
+  typedef typename OffsetT<A64>::type O;
+  constexpr unsigned ALL = 0xffffffffu;
+  const O* c = static_cast<const O*>(cu);
+  const O* len_of = static_cast<const O*>(lens);
+  const int lane = (int)(threadIdx.x & 31u), s1 = lane + 32;
+  const O c0 = __ldg(c + min(lane, B - 1)), c1 = __ldg(c + min(s1, B - 1)), c_end = __ldg(c + B);
+  const O l0 = __ldg(len_of + min(lane, B - 1)), l1 = __ldg(len_of + min(s1, B - 1));
+  const int t_min = __reduce_min_sync(ALL, t), t_max = __reduce_max_sync(ALL, t);
+  const unsigned lo0 = __ballot_sync(ALL, lane < B && c0 <= (O)t_min), lo1 = __ballot_sync(ALL, s1 < B && c1 <= (O)t_min);
+  const unsigned hi0 = __ballot_sync(ALL, lane < B && c0 <= (O)t_max), hi1 = __ballot_sync(ALL, s1 < B && c1 <= (O)t_max);
+  const unsigned z0 = __ballot_sync(ALL, l0 == 0), z1 = __ballot_sync(ALL, l1 == 0);  // bits past B unread
+  const bool prefix = (lo0 & (lo0 + 1u)) == 0u && (lo1 & (lo1 + 1u)) == 0u && (lo1 == 0u || lo0 == ~0u) &&
+                      (hi0 & (hi0 + 1u)) == 0u && (hi1 & (hi1 + 1u)) == 0u && (hi1 == 0u || hi0 == ~0u);
+  if (!prefix) return -1;
+  const int k_min = __popc(lo0) + __popc(lo1), k_max = __popc(hi0) + __popc(hi1);
+  int k = k_min;
+  O prev = (O)t_min;
+  for (int s = k_min; s < k_max; ++s) {  // the entries that start in (t_min, t_max]: in order?
+    const O x = __shfl_sync(ALL, s < 32 ? c0 : c1, s & 31);
+    if (x < prev) return -1;
+    prev = x;
+    k += x <= (O)t ? 1 : 0;
+  }
+  if (k == 0) return 0;  // before the first entry: no request (lo = 0 starts after t)
+  const unsigned zw = k - 1 < 32 ? z0 : z1;
+  return ((zw >> ((k - 1) & 31)) & 1u) && !(k == B && c_end <= (O)t) ? 1 : 0;
+}
+
+// Whether token t is in an empty request: by the warp's window where it applies (window: 1 <= B
+// <= A_WINDOW, the same for the warp; every lane calls it then), else by the thread's own search.
+template <bool A64>
+__device__ __forceinline__ bool a_empty_of(const void* cu, const void* lens, int B, int T, int t, bool window) {
+  if (window) {
+    const int r = a_row_empty_window<A64>(cu, lens, B, t);
+    if (r >= 0) return r != 0;  // the same for the warp
+  }
+  return a_row_empty<A64>(cu, lens, B, T, t);
+}
+
+// a_empty in the flat forms: whether token t's request is empty. On grids of A_SHARED_THREADS
+// threads and more the answer is found once per token of a block instead of once per warp: the
+// block's tokens t_lo .. t_lo + ntok - 1 (those of its first and last live rows; in tiles of 8
+// with TILE) are searched by its first warps (the window, 32 tokens a warp) or threads (the plain
+// search, one token each) into shared memory; after a barrier every thread reads its token's
+// answer. Smaller grids (a few waves, latency-bound) and F_A_SKIP (v_a waits on the answer, not
+// on a barrier) search in each warp. Called after the thread's loads are issued; every thread of
+// the block calls it. Thresholds measured: bench/NOTES.md.
+constexpr unsigned A_SHARED_THREADS = 1u << 19;
+
+template <bool A64, int BLOCK, bool TILE, bool SHARED>
 __device__ __forceinline__ bool token_empty(const void* cu, const void* lens, int B, int T, int t, int rows,
                                             int packs, unsigned packs_mul, int packs_shr, int H, unsigned H_mul,
                                             int H_shr, unsigned tiled_rows) {
-  if (gridDim.x * (unsigned)BLOCK < A_SHARED_THREADS) return a_row_empty<A64>(cu, lens, B, T, t);  // grid-uniform
+  const bool window = B >= 1 && B <= A_WINDOW;  // the same for the grid
+  if (!SHARED || gridDim.x * (unsigned)BLOCK < A_SHARED_THREADS) return a_empty_of<A64>(cu, lens, B, T, t, window);
   constexpr int SPAN = BLOCK + 32;  // tokens one block's rows can reach (BLOCK + 24 in tiles of 8)
   __shared__ unsigned char s_empty[SPAN];
   const unsigned i0 = blockIdx.x * (unsigned)BLOCK;
@@ -416,7 +471,15 @@ __device__ __forceinline__ bool token_empty(const void* cu, const void* lens, in
     if (r1 < tiled_rows) t_hi |= 7;
   }
   const int ntok = min(t_hi - t_lo + 1, SPAN);
-  for (int j = (int)threadIdx.x; j < ntok; j += BLOCK) s_empty[j] = a_row_empty<A64>(cu, lens, B, T, t_lo + j);
+  if (window) {  // a warp for 32 tokens
+    for (int j0 = (int)(threadIdx.x & ~31u); j0 < ntok; j0 += BLOCK) {
+      const int j = min(j0 + (int)(threadIdx.x & 31u), ntok - 1);
+      const bool e = a_empty_of<A64>(cu, lens, B, T, t_lo + j, true);
+      if (j0 + (int)(threadIdx.x & 31u) < ntok) s_empty[j] = e;
+    }
+  } else {
+    for (int j = (int)threadIdx.x; j < ntok; j += BLOCK) s_empty[j] = a_row_empty<A64>(cu, lens, B, T, t_lo + j);
+  }
   __syncthreads();
   const int j = t - t_lo;  // outside the range (none by construction): the thread's own search
   return (unsigned)j < (unsigned)ntok ? s_empty[j] != 0 : a_row_empty<A64>(cu, lens, B, T, t);
@@ -442,9 +505,8 @@ __device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d
 }
 
 // merge_pack with the option features of FEAT (nonzero). a_empty: whether the row's request is
-// empty comes from `empty_of(t)` (the flat forms: token_empty; the heads form: the thread's own
-// search). v_a is loaded with v_b and the
-// answer awaited while the loads are in flight (the contract lets a kernel load an empty input's
+// empty comes from `empty_of(t)` (token_empty in the flat forms, a_empty_of in the heads form).
+// v_a is loaded with v_b and the answer awaited while the loads are in flight (the contract lets a kernel load an empty input's
 // V; it is selected away, never used); with F_A_SKIP the answer comes first and a row whose state
 // a is not used (its request empty, or past prefix_rows) does not load v_a: fewer bytes, a later
 // v_a load. keep: the row is written (row mask). An unused state's V is dropped by a select,
@@ -458,6 +520,9 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
                                                   bool& keep, const EmptyOf& empty_of) {
   constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0, LATE_A = A_EMPTY && (FEAT & F_A_SKIP) != 0;
   const I t = t32, h = h32, d = p * VEC;
+  unsigned mask = 1u;  // the row mask's byte, loaded first: ptxas otherwise issues it after the merge's
+  if constexpr ((FEAT & F_ROW_MASK) != 0)  // arithmetic, a second round trip before the store
+    asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(mask) : "l"(o.row_mask + t32));
   Pack<Tin, VEC> a;
   const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
   if constexpr (!LATE_A) a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
@@ -466,7 +531,7 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
   float sink = 0.f;
   if constexpr ((FEAT & F_SINKS) != 0) sink = __ldg(o.sinks + h32);
   keep = live;
-  if constexpr ((FEAT & F_ROW_MASK) != 0) keep = live && __ldg(o.row_mask + t32) != 0;
+  if constexpr ((FEAT & F_ROW_MASK) != 0) keep = live && mask != 0u;
   bool use_a = t32 < prefix_rows;
   if constexpr (A_EMPTY) use_a = !empty_of(t32) && use_a;
   if constexpr (LATE_A) {
@@ -554,7 +619,7 @@ __device__ __forceinline__ void merge_flat(
   } else {
     const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
     const auto empty_of = [&](int t) {
-      return token_empty<(FEAT & F_A64) != 0, BLOCK, TILE>(o.a_cu, o.a_lens, o.a_batch, T, t, rows, packs, packs_mul,
+      return token_empty<(FEAT & F_A64) != 0, BLOCK, TILE, (FEAT & F_A_SKIP) == 0>(o.a_cu, o.a_lens, o.a_batch, T, t, rows, packs, packs_mul,
                                                           packs_shr, H, H_mul, H_shr, tiled_rows);
     };
     c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, I>(
@@ -628,7 +693,10 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state
         live, t, h, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st,
         vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k,
         Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0}, keep,
-        [&](int tok) { return a_row_empty<(FEAT & F_A64) != 0>(a_cu, a_lens, a_batch, (int)gridDim.y, tok); });
+        [&](int tok) {
+          return a_empty_of<(FEAT & F_A64) != 0>(a_cu, a_lens, a_batch, (int)gridDim.y, tok,
+                                                  a_batch >= 1 && a_batch <= A_WINDOW);
+        });
   }
   store_float_if(keep && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
 }

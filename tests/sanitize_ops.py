@@ -197,6 +197,10 @@ def option_forms() -> None:
                 "lying": ([0, T + 50, -7, 2**31 - 1, T // 2], [0, 3, 0, 0]),
                 "lying64": ([0, 2**40, -(2**40), 5, T], [0, 0, 9, 0]),
             }
+            g = torch.Generator().manual_seed(T)
+            for B in (40, 1100):  # the warp search's tree, then its window or each lane alone
+                cu_r = torch.randint(-T, 2 * T + 1, (B + 1,), generator=g).tolist()
+                offsets[f"scrambled{B}"] = (cu_r, torch.randint(0, 2, (B,), generator=g).tolist())
             for kind, (cu_l, kv_l) in offsets.items():
                 idx = torch.int64 if kind == "lying64" else torch.int32
                 cu, kv = torch.tensor(cu_l, dtype=idx, device=DEV), torch.tensor(kv_l, dtype=idx, device=DEV)

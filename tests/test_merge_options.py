@@ -312,10 +312,10 @@ def test_a_empty_on_every_size_class(launched, cls, index_dtype):
     _expect_kernel(launched, cls, bit)
 
 
-BIG_T = 33000  # x 8 heads x 16 packs of bf16: past 2^22 threads, the block-shared a_empty search
+BIG_T = 33000  # x 8 heads x 16 packs of bf16: past 2^22 threads, the gathered form
 _LIES = {c.id: c for c in LYING_CASES}
-SHARED_SEARCH_CASES = ("past_T", "negative_first", "decreasing", "decreasing_overlap", "uncovered_rows",
-                       "above_2^31", "huge_negative")  # fmt: skip
+LYING_AT_SCALE = ("past_T", "negative_first", "decreasing", "decreasing_overlap", "uncovered_rows",
+                  "above_2^31", "huge_negative")  # fmt: skip
 
 
 def _scaled(case):
@@ -327,39 +327,57 @@ def _scaled(case):
     return torch.tensor(cu, dtype=dtype, device="cuda"), torch.tensor(case.kv, dtype=dtype, device="cuda")
 
 
-# requests of a block-shared search: (batch, index dtype); many requests make the search deep
-_SHARED_BATCHES = {
-    "requests": (9, torch.int32),
+# batches of a_empty's search (merge.cu): (batch, index dtype). Up to 64 requests: the warp's
+# window (masks of two entries a lane); past 64: the plain binary search.
+_BATCHES = {
+    "9 requests": (9, torch.int32),
+    "32 requests": (32, torch.int64),
+    "33 requests": (33, torch.int32),
+    "64 requests": (64, torch.int32),
+    "65 requests": (65, torch.int64),
     "400 requests": (400, torch.int64),
     "700 requests": (700, torch.int32),
 }
+
+
+def _scrambled(T, batch, index_dtype, seed):
+    """Offsets that lie at every depth of the search: not monotone, some past T or negative."""
+    g = np.random.default_rng(seed)
+    cu = g.integers(-T // 4, T + T // 4, batch + 1)
+    lens = g.integers(0, 3, batch)
+    return torch.tensor(cu, dtype=index_dtype, device="cuda"), torch.tensor(
+        lens, dtype=index_dtype, device="cuda"
+    )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("layout", "offsets"),
     [
-        ("TH", "requests"),
-        ("HT", "requests"),
-        ("TH", "400 requests"),
-        ("HT", "700 requests"),
-        *(("TH", c) for c in SHARED_SEARCH_CASES),
+        *(("TH", c) for c in _BATCHES),
+        ("HT", "9 requests"),
+        ("HT", "64 requests"),
+        ("HT", "400 requests"),
+        *(("TH", c) for c in LYING_AT_SCALE),
+        *(("TH", f"scrambled {c}") for c in _BATCHES),
     ],
 )
-def test_a_empty_block_shared_search_on_grids_of_many_threads(launched, layout, offsets):
-    """Grids of 2^22 threads and more search once per token of a block (merge.cu,
-    A_SHARED_THREADS): 4 tokens a block, requests that straddle blocks, up to 700 of them,
-    offsets that lie (tests/batches.py's cases, scaled)."""
+def test_a_empty_search_on_many_rows(launched, layout, offsets):
+    """a_empty's search shared by a block (the gathered form on 2^22 threads), by the window and
+    by the plain search, against the binary search's rows, valid offsets and offsets that lie
+    (out of order: the window gives way to the plain search)."""
     T, H, D, dtype = BIG_T, 8, 128, torch.bfloat16
     va, vb = _v(T, H, D, dtype, layout, 11), _v(T, H, D, dtype, layout, 12)
     sa, sb = _lse(T, H, layout, 13), _lse(T, H, layout, 14)
-    if offsets in _SHARED_BATCHES:
-        batch, index_dtype = _SHARED_BATCHES[offsets]
-        cu, lens = _requests(T, index_dtype, 15, batch)
+    if offsets in _BATCHES:
+        cu, lens = _requests(T, _BATCHES[offsets][1], 15, _BATCHES[offsets][0])
+    elif offsets.startswith("scrambled "):
+        batch, index_dtype = _BATCHES[offsets.removeprefix("scrambled ")]
+        cu, lens = _scrambled(T, batch, index_dtype, 16)
     else:
         cu, lens = _scaled(_LIES[offsets])
     rows = reference.rows_with_empty_a(f64(cu).astype(np.int64), f64(lens).astype(np.int64), T)
-    assert offsets not in _SHARED_BATCHES or 0 < rows.sum() < T
+    assert offsets not in _BATCHES or 0 < rows.sum() < T
     va[torch.from_numpy(rows).cuda()] = NAN  # garbage where state a is empty
     out, lse = torch.full((T, H, D), NAN, device="cuda").to(dtype), torch.full((T, H), NAN, device="cuda")
     lse = lse.T.contiguous().T if layout == "HT" else lse
@@ -369,6 +387,32 @@ def test_a_empty_block_shared_search_on_grids_of_many_threads(launched, layout, 
     assert_close(lse, rl, torch.float32, "lse")
     bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if cu.dtype == torch.int64 else 0)
     assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "H, D, dtype", [(1, 32, torch.bfloat16), (3, 16, torch.float32), (2, 8, torch.float16)]
+)
+@pytest.mark.parametrize("offsets", ["33 requests", "64 requests", "scrambled 64 requests", "400 requests"])
+def test_a_empty_search_with_several_tokens_a_warp(H, D, dtype, offsets):
+    """A warp's lanes on up to 32 tokens (few heads, short rows) in each warp's own search: the
+    window's lanes count the requests that start between the warp's tokens one by one."""
+    T = 20000
+    va, vb = _v(T, H, D, dtype, "TH", 21), _v(T, H, D, dtype, "TH", 22)
+    sa, sb = _lse(T, H, "TH", 23), _lse(T, H, "TH", 24)
+    if offsets.startswith("scrambled "):
+        batch, index_dtype = _BATCHES[offsets.removeprefix("scrambled ")]
+        cu, lens = _scrambled(T, batch, index_dtype, 25)
+    else:
+        cu, lens = _requests(T, _BATCHES[offsets][1], 26, _BATCHES[offsets][0])
+    rows = reference.rows_with_empty_a(f64(cu).astype(np.int64), f64(lens).astype(np.int64), T)
+    assert 0 < rows.sum() < T
+    va[torch.from_numpy(rows).cuda()] = NAN
+    out, lse = torch.full((T, H, D), NAN, device="cuda").to(dtype), torch.full((T, H), NAN, device="cuda")
+    zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, a_empty=(cu, lens))
+    ro, rl = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb), a_empty_rows=rows)
+    assert_close(out, ro, dtype, "out")
+    assert_close(lse, rl, torch.float32, "lse")
 
 
 @pytest.mark.gpu
