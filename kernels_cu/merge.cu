@@ -388,6 +388,9 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
   }
 }
 
+template <bool A> struct OffsetT { typedef int type; };  // the offsets' own width
+template <> struct OffsetT<true> { typedef i64 type; };
+
 // a_empty for B <= 64 requests by a warp together (every lane calls it, converged), with loads
 // that wait on nothing: lane j holds cu and kv_lens of entries j and j + 32, and their
 // comparisons with the warp's smallest and largest token become masks (ballots). For offsets in
@@ -396,10 +399,10 @@ __device__ __forceinline__ void store_lse_gathered(float* olse, bool has, unsign
 // that start between them one by one (one shuffle each; none when the lanes share a token).
 // Returns whether lane's token t is in an empty request, or -1 (for every lane) where the
 // entries are out of order around these tokens: the caller then takes the plain search.
-template <bool A> struct OffsetT { typedef int type; };
-template <> struct OffsetT<true> { typedef i64 type; };
-
 constexpr int A_WINDOW = 64;
+
+// whether a batch of B requests takes the window (the same for the grid)
+__device__ __forceinline__ bool a_windowed(int B) { return B >= 1 && B <= A_WINDOW; }
 
 template <bool A64>
 __device__ __forceinline__ int a_row_empty_window(const void* cu, const void* lens, int B, int t) {
@@ -431,8 +434,8 @@ __device__ __forceinline__ int a_row_empty_window(const void* cu, const void* le
   return ((zw >> ((k - 1) & 31)) & 1u) && !(k == B && c_end <= (O)t) ? 1 : 0;
 }
 
-// Whether token t is in an empty request: by the warp's window where it applies (window: 1 <= B
-// <= A_WINDOW, the same for the warp; every lane calls it then), else by the thread's own search.
+// Whether token t is in an empty request: by the warp's window where it applies (window:
+// a_windowed(B); every lane of the warp calls it then), else by the thread's own search.
 template <bool A64>
 __device__ __forceinline__ bool a_empty_of(const void* cu, const void* lens, int B, int T, int t, bool window) {
   if (window) {
@@ -456,7 +459,7 @@ template <bool A64, int BLOCK, bool TILE, bool SHARED>
 __device__ __forceinline__ bool token_empty(const void* cu, const void* lens, int B, int T, int t, int rows,
                                             int packs, unsigned packs_mul, int packs_shr, int H, unsigned H_mul,
                                             int H_shr, unsigned tiled_rows) {
-  const bool window = B >= 1 && B <= A_WINDOW;  // the same for the grid
+  const bool window = a_windowed(B);
   if (!SHARED || gridDim.x * (unsigned)BLOCK < A_SHARED_THREADS) return a_empty_of<A64>(cu, lens, B, T, t, window);
   constexpr int SPAN = BLOCK + 32;  // tokens one block's rows can reach (BLOCK + 24 in tiles of 8)
   __shared__ unsigned char s_empty[SPAN];
@@ -471,7 +474,7 @@ __device__ __forceinline__ bool token_empty(const void* cu, const void* lens, in
     if (r1 < tiled_rows) t_hi |= 7;
   }
   const int ntok = min(t_hi - t_lo + 1, SPAN);
-  if (window) {  // a warp for 32 tokens
+  if (window) {  // a warp for 32 tokens (the window)
     for (int j0 = (int)(threadIdx.x & ~31u); j0 < ntok; j0 += BLOCK) {
       const int j = min(j0 + (int)(threadIdx.x & 31u), ntok - 1);
       const bool e = a_empty_of<A64>(cu, lens, B, T, t_lo + j, true);
@@ -506,10 +509,10 @@ __device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d
 
 // merge_pack with the option features of FEAT (nonzero). a_empty: whether the row's request is
 // empty comes from `empty_of(t)` (token_empty in the flat forms, a_empty_of in the heads form).
-// v_a is loaded with v_b and the answer awaited while the loads are in flight (the contract lets a kernel load an empty input's
-// V; it is selected away, never used); with F_A_SKIP the answer comes first and a row whose state
-// a is not used (its request empty, or past prefix_rows) does not load v_a: fewer bytes, a later
-// v_a load. keep: the row is written (row mask). An unused state's V is dropped by a select,
+// v_a is loaded with v_b and the answer awaited while the loads are in flight (the contract lets
+// a kernel load an empty input's V; it is selected away, never used); with F_A_SKIP the answer
+// comes first and a row whose state a is not used (its request empty, or past prefix_rows) does
+// not load v_a: fewer bytes, a later v_a load. keep: the row is written (row mask). An unused state's V is dropped by a select,
 // never multiplied by zero.
 template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I, typename EmptyOf>
 __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, int p, int packs,
@@ -520,8 +523,10 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
                                                   bool& keep, const EmptyOf& empty_of) {
   constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0, LATE_A = A_EMPTY && (FEAT & F_A_SKIP) != 0;
   const I t = t32, h = h32, d = p * VEC;
-  unsigned mask = 1u;  // the row mask's byte, loaded first: ptxas otherwise issues it after the merge's
-  if constexpr ((FEAT & F_ROW_MASK) != 0)  // arithmetic, a second round trip before the store
+  // the row mask's byte, loaded first: ptxas otherwise issues it after the merge's arithmetic, a
+  // second round trip before the store
+  unsigned mask = 1u;
+  if constexpr ((FEAT & F_ROW_MASK) != 0)
     asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(mask) : "l"(o.row_mask + t32));
   Pack<Tin, VEC> a;
   const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
@@ -619,8 +624,8 @@ __device__ __forceinline__ void merge_flat(
   } else {
     const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
     const auto empty_of = [&](int t) {
-      return token_empty<(FEAT & F_A64) != 0, BLOCK, TILE, (FEAT & F_A_SKIP) == 0>(o.a_cu, o.a_lens, o.a_batch, T, t, rows, packs, packs_mul,
-                                                          packs_shr, H, H_mul, H_shr, tiled_rows);
+      return token_empty<(FEAT & F_A64) != 0, BLOCK, TILE, (FEAT & F_A_SKIP) == 0>(
+          o.a_cu, o.a_lens, o.a_batch, T, t, rows, packs, packs_mul, packs_shr, H, H_mul, H_shr, tiled_rows);
     };
     c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, I>(
         live, t32, h32, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
@@ -694,8 +699,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state
         vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k,
         Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0}, keep,
         [&](int tok) {
-          return a_empty_of<(FEAT & F_A64) != 0>(a_cu, a_lens, a_batch, (int)gridDim.y, tok,
-                                                  a_batch >= 1 && a_batch <= A_WINDOW);
+          return a_empty_of<(FEAT & F_A64) != 0>(a_cu, a_lens, a_batch, (int)gridDim.y, tok, a_windowed(a_batch));
         });
   }
   store_float_if(keep && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);

@@ -350,6 +350,30 @@ def _scrambled(T, batch, index_dtype, seed):
     )
 
 
+def _search_offsets(name, T, seed):
+    """``"<n> requests"`` (valid, a third of them empty) or ``"scrambled <n> requests"``."""
+    if name.startswith("scrambled "):
+        batch, index_dtype = _BATCHES[name.removeprefix("scrambled ")]
+        return _scrambled(T, batch, index_dtype, seed + 1)
+    return _requests(T, _BATCHES[name][1], seed, _BATCHES[name][0])
+
+
+def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
+    """merge_state(a_empty=(cu, lens)) into NaN outputs, state a NaN on the rows the binary
+    search makes empty, against the float64 reference with those rows."""
+    va, vb = _v(T, H, D, dtype, layout, seed), _v(T, H, D, dtype, layout, seed + 1)
+    sa, sb = _lse(T, H, layout, seed + 2), _lse(T, H, layout, seed + 3)
+    rows = reference.rows_with_empty_a(f64(cu).astype(np.int64), f64(lens).astype(np.int64), T)
+    assert not some_empty or 0 < rows.sum() < T
+    va[torch.from_numpy(rows).cuda()] = NAN  # garbage where state a is empty
+    out, lse = torch.full((T, H, D), NAN, device="cuda").to(dtype), torch.full((T, H), NAN, device="cuda")
+    lse = lse.T.contiguous().T if layout == "HT" else lse
+    zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, a_empty=(cu, lens))
+    ro, rl = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb), a_empty_rows=rows)
+    assert_close(out, ro, dtype, "out")
+    assert_close(lse, rl, torch.float32, "lse")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     ("layout", "offsets"),
@@ -366,25 +390,11 @@ def test_a_empty_search_on_many_rows(launched, layout, offsets):
     """a_empty's search shared by a block (the gathered form on 2^22 threads), by the window and
     by the plain search, against the binary search's rows, valid offsets and offsets that lie
     (out of order: the window gives way to the plain search)."""
-    T, H, D, dtype = BIG_T, 8, 128, torch.bfloat16
-    va, vb = _v(T, H, D, dtype, layout, 11), _v(T, H, D, dtype, layout, 12)
-    sa, sb = _lse(T, H, layout, 13), _lse(T, H, layout, 14)
-    if offsets in _BATCHES:
-        cu, lens = _requests(T, _BATCHES[offsets][1], 15, _BATCHES[offsets][0])
-    elif offsets.startswith("scrambled "):
-        batch, index_dtype = _BATCHES[offsets.removeprefix("scrambled ")]
-        cu, lens = _scrambled(T, batch, index_dtype, 16)
+    if offsets in _BATCHES or offsets.startswith("scrambled "):
+        cu, lens = _search_offsets(offsets, BIG_T, 15)
     else:
         cu, lens = _scaled(_LIES[offsets])
-    rows = reference.rows_with_empty_a(f64(cu).astype(np.int64), f64(lens).astype(np.int64), T)
-    assert offsets not in _BATCHES or 0 < rows.sum() < T
-    va[torch.from_numpy(rows).cuda()] = NAN  # garbage where state a is empty
-    out, lse = torch.full((T, H, D), NAN, device="cuda").to(dtype), torch.full((T, H), NAN, device="cuda")
-    lse = lse.T.contiguous().T if layout == "HT" else lse
-    zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, a_empty=(cu, lens))
-    ro, rl = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb), a_empty_rows=rows)
-    assert_close(out, ro, dtype, "out")
-    assert_close(lse, rl, torch.float32, "lse")
+    _check_a_empty(BIG_T, 8, 128, torch.bfloat16, layout, cu, lens, 11, offsets in _BATCHES)
     bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if cu.dtype == torch.int64 else 0)
     assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
 
@@ -398,21 +408,8 @@ def test_a_empty_search_with_several_tokens_a_warp(H, D, dtype, offsets):
     """A warp's lanes on up to 32 tokens (few heads, short rows) in each warp's own search: the
     window's lanes count the requests that start between the warp's tokens one by one."""
     T = 20000
-    va, vb = _v(T, H, D, dtype, "TH", 21), _v(T, H, D, dtype, "TH", 22)
-    sa, sb = _lse(T, H, "TH", 23), _lse(T, H, "TH", 24)
-    if offsets.startswith("scrambled "):
-        batch, index_dtype = _BATCHES[offsets.removeprefix("scrambled ")]
-        cu, lens = _scrambled(T, batch, index_dtype, 25)
-    else:
-        cu, lens = _requests(T, _BATCHES[offsets][1], 26, _BATCHES[offsets][0])
-    rows = reference.rows_with_empty_a(f64(cu).astype(np.int64), f64(lens).astype(np.int64), T)
-    assert 0 < rows.sum() < T
-    va[torch.from_numpy(rows).cuda()] = NAN
-    out, lse = torch.full((T, H, D), NAN, device="cuda").to(dtype), torch.full((T, H), NAN, device="cuda")
-    zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, a_empty=(cu, lens))
-    ro, rl = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb), a_empty_rows=rows)
-    assert_close(out, ro, dtype, "out")
-    assert_close(lse, rl, torch.float32, "lse")
+    cu, lens = _search_offsets(offsets, T, 25)
+    _check_a_empty(T, H, D, dtype, "TH", cu, lens, 21, True)
 
 
 @pytest.mark.gpu
