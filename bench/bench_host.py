@@ -63,6 +63,7 @@ class Case:
     alloc: tuple[Callable[..., Any], ArgsAt] | None = None  # outputs allocated by the op: mode (c)
     skip: str = ""  # why it cannot run here
     modes: str = "abc"  # the modes measured
+    inference: bool = False  # rounds run under torch.inference_mode(), outputs inference tensors (engines)
 
 
 def cases(b: Bench) -> list[Case]:
@@ -107,6 +108,9 @@ def cases(b: Bench) -> list[Case]:
               lambda t, T: ((t.va[:T], t.sa[:T], t.vb[:T], t.sb[:T], t.out[:T], t.ol[:T]), {})),
              skip="" if baselines.triton is not None and not b.dry else "skipped: needs Triton on a GPU"),
         Case("merge_state", "zerokv", (ms, merge6), (ms, merge4)),
+        Case("merge_state under inference_mode()", "zerokv",
+             (ms, lambda t, T: ((t.va[:T], t.sa[:T], t.vb[:T], t.sb[:T]), {"out": t.i_out[:T], "out_lse": t.i_ol[:T]})),
+             modes="ab", inference=True),
         Case("merge_state, [H, T] LSE (three .T views)", "zerokv", (ms, ht), modes="a"),
         Case("merge_state a_empty=", "zerokv", (ms, option(merge6, a_empty=lambda t, T: (t.cu, t.kv))), modes="ab"),
         Case("merge_state sinks=", "zerokv", (ms, option(merge6, sinks=lambda t, T: t.sinks)), modes="ab"),
@@ -171,6 +175,8 @@ def buffers(b: Bench) -> SimpleNamespace:
         cukv=torch.tensor([0, 0, 3], dtype=torch.int32, device=dev),
         sinks=s(H), scale=torch.tensor([0.5], device=dev),
     )  # fmt: skip
+    with torch.inference_mode():  # outputs as an engine's model runner allocates them
+        t.i_out, t.i_ol = v(t_max, H, D), s(t_max, H)
     n_layers = 4 if b.dry else LAYERS
     t_same = min(T_REPEATED, t_max)
     layers = [tuple(f(t_same, *shape) for f, shape in ((v, (H, D)), (s, (H,)), (v, (H, D)), (s, (H,)), (v, (H, D)), (s, (H,)))) for _ in range(n_layers)]  # fmt: skip
@@ -272,8 +278,10 @@ def _items(b: Bench, found: list[Case]) -> list[tuple[Row, Callable[[int], tuple
             row = Row(op="host", impl=case.label, dtype="bf16", H=_hd(b)[0], D=_hd(b)[1])
             row.params = {"mode": mode, "kind": case.kind, "allocates": case.given is None or mode == "c"}
             fn, at = what
-            warm = partial(_warm, fn, at, p, mode)
-            items.append((row, partial(measure, b, fn, at), warm))
+            warm, timed = partial(_warm, fn, at, p, mode), partial(measure, b, fn, at)
+            if case.inference:
+                warm, timed = _in_inference(b, warm), _in_inference(b, timed)
+            items.append((row, timed, warm))
     row = Row(
         op="host",
         impl=f"merge_state, {len(p.layers)} layers' buffers, one T",
@@ -284,6 +292,14 @@ def _items(b: Bench, found: list[Case]) -> list[tuple[Row, Callable[[int], tuple
     row.params = {"mode": "b", "kind": "zerokv", "allocates": False}
     items.append((row, partial(layers_round, b, zerokv.merge_state), lambda: None))
     return items
+
+
+def _in_inference(b: Bench, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*a: Any) -> Any:
+        with b.torch.inference_mode():
+            return fn(*a)
+
+    return run
 
 
 def _warm(fn: Callable[..., Any], at: ArgsAt, p: SimpleNamespace, mode: str) -> None:

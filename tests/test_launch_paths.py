@@ -452,3 +452,39 @@ def test_other_producers_take_the_same_path(recorded):
     buf = np.zeros(T * H + 1, dtype=np.float32)
     with pytest.raises(ValueError, match="out_lse overlaps the input s_b"):
         zerokv.merge_state(*arrays[:3], buf[:-1].reshape(T, H), out=arrays[4], out_lse=buf[1:].reshape(T, H))
+
+
+def test_inference_outputs_under_inference_mode_take_the_cheap_check(recorded, monkeypatch):
+    """Engines run under ``torch.inference_mode()``, where outputs are inference tensors: a
+    later call of a signature passes the cheap check (the full validation does not run again)
+    for every op; outside inference mode the same outputs are still refused by name."""
+    from zerokv.core import checks as _checks
+
+    full = []
+    writable = _checks.writable
+    monkeypatch.setattr(_checks, "writable", lambda t, arg: (full.append(arg), writable(t, arg))[1])
+    T, H, D = 16, 4, 64
+    v_a, s_a, v_b, s_b = _states(T, H, D)
+    cu = torch.tensor([0, 5, T], dtype=torch.int32)
+    kv = torch.tensor([0, 3], dtype=torch.int32)
+    with torch.inference_mode():
+        out, out_lse = torch.empty(T, H, D, dtype=torch.bfloat16), torch.empty(T, H)
+        v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
+        calls = [
+            lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse),
+            lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse, a_empty=(cu, kv)),
+            lambda: vllm.merge_attn_states(out, v_a, s_a.T.contiguous(), v_b, s_b.T.contiguous(), None),
+            lambda: zerokv.merge_states(v, s, out=out, out_lse=out_lse),
+            lambda: zerokv.fixup_zero_kv_rows(out, out_lse, kv, cu),
+        ]
+        for call in calls:
+            call()
+            first, launched = len(full), len(recorded)
+            assert first > 0  # the first call of a signature: every check, writable included
+            call()
+            assert len(full) == first, "a later call ran the full validation again"
+            assert len(recorded) == launched + 1
+    recorded.clear()
+    with pytest.raises(ValueError, match="out: is an inference tensor"):
+        zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=torch.empty(T, H))
+    assert recorded == []

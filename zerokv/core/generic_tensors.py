@@ -6,6 +6,7 @@ A torch tensor is read as it is; any other DLPack producer once through
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .tensors import is_torch, torch_tensor_type, view
@@ -56,8 +57,12 @@ def _family(gen: tuple) -> bool | None:
 def writable_cheap(x: Any) -> bool:
     """An output (the caller's object) that the full check (``checks.writable``) would let
     through, decided from the object alone: a torch tensor that needs no grad and is no
-    inference tensor; a CUDA array of another producer that is not a JAX array. False: the
-    full check decides (a torch subclass, say)."""
-    if type(x) is torch_tensor_type():
-        return not (x.requires_grad or x.is_inference())
+    inference tensor outside inference mode; a CUDA array of another producer that is not a
+    JAX array. False: the full check decides (a torch subclass, say)."""
+    if type(x) is torch_tensor_type():  # inference tensors: the engines' outputs under inference_mode()
+        return not x.requires_grad and (not x.is_inference() or _torch().is_inference_mode_enabled())
     return not is_torch(x) and type(x).__module__.split(".", 1)[0] not in ("jax", "jaxlib")
+
+
+def _torch() -> Any:
+    return sys.modules["torch"]
