@@ -60,5 +60,7 @@ def writable_cheap(x: Any) -> bool:
     inference tensor outside inference mode; a CUDA array of another producer that is not a
     JAX array. False: the full check decides (a torch subclass, say)."""
     if type(x) is torch_tensor_type():  # inference tensors: the engines' outputs under inference_mode()
-        return not x.requires_grad and (not x.is_inference() or sys.modules["torch"].is_inference_mode_enabled())
+        return not x.requires_grad and (
+            not x.is_inference() or sys.modules["torch"].is_inference_mode_enabled()
+        )
     return not is_torch(x) and type(x).__module__.split(".", 1)[0] not in ("jax", "jaxlib")
