@@ -385,6 +385,7 @@ def _a_empty_skip(va: Any, sa: Any, vb: Any, sb: Any, o: Any, ol: Any, cu: Any, 
     consts.suffix_verbatim, consts.a_is64, consts.prefix_rows, consts.ue8m0 = 0, int(c.a64), 0, 0
     launcher = plans.launcher(form.kernel, targs, f.device)
     bind = merge_plans._binder(form.kernel, facts.TwoFacts)
+    f.rows = f.T * f.H
     launcher.launch(form.grid, form.grid_y, device.torch_stream(f.device), bind, f, form, consts)
     return o, ol
 

@@ -110,3 +110,60 @@ def test_empty_rows_grid_is_persistent_but_never_past_one_store_per_thread(vec):
     assert forms.empty_rows_grid(full, H, D, vec, DEV) == per_sm * DEV.sms
     assert forms.empty_rows_grid(full * 4, H, D, vec, DEV) == per_sm * DEV.sms
     assert forms.empty_rows_grid(1, H, D, vec, DEV) == 1
+
+
+def _same_form(a, b):
+    """Two forms that launch the same instantiation with the same T-free parameters."""
+    skip = {"grid", "grid_y", "rows"}
+    return all(getattr(a, n) == getattr(b, n) for n in forms.Form._fields if n not in skip)
+
+
+_SHAPES = [
+    # (H, D, vec, in dtype, out dtype, features, extra facts): every rule and option family
+    (8, 128, 8, "bfloat16", "bfloat16", (), {}),
+    (2, 64, 8, "bfloat16", "bfloat16", (), {}),
+    (128, 128, 8, "float16", "float16", ("a_empty",), {}),
+    (16, 512, 8, "bfloat16", "bfloat16", ("sinks",), {"lse_tiles": True}),
+    (3, 96, 1, "bfloat16", "bfloat16", (), {}),
+    (32, 128, 4, "float32", "float32", (), {"inplace_lse": True}),
+    (64, 128, 8, "bfloat16", "float32", (), {}),
+    (8, 128, 8, "bfloat16", "bfloat16", ("a_empty", "sinks"), {}),
+    (40, 128, 8, "bfloat16", "float8_e4m3fn", ("group_fp8",), {"quant_group": 128}),
+    (8, 256, 8, "bfloat16", "bfloat16", (), {"strides32": False}),
+    (128, 512, 8, "bfloat16", "bfloat16", (), {"fits32": False}),
+]
+
+
+@pytest.mark.parametrize("H, D, vec, dtype, out, features, extra", _SHAPES)
+def test_one_form_serves_every_token_count_of_its_interval(H, D, vec, dtype, out, features, extra):
+    """The plans cache a form per interval of ``t_breaks``: every T of an interval gets the form
+    the rules give its first T, and ``launch_grid`` scales its grid as the rules would."""
+    size = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
+    breaks = forms.t_breaks(H, D, vec, size[dtype], size[out], DEV)
+    ctypes = (dtype, out)
+    edges = sorted({1, 2, *(b + d for b in breaks for d in (-1, 0, 1) if 0 < b + d < INT32 // (H * D))})
+    checked = 0
+    for lo, hi in zip(edges, edges[1:], strict=False):
+        first = forms.merge_two(_call(lo, H, D, vec, dtype, out, features, **extra), DEV, ctypes)
+        for T in {lo, hi - 1, (lo + hi) // 2}:
+            if forms.t_class(breaks, T) != forms.t_class(breaks, lo):
+                continue
+            got = forms.merge_two(_call(T, H, D, vec, dtype, out, features, **extra), DEV, ctypes)
+            assert _same_form(got, first), (T, lo, got, first)
+            assert forms.launch_grid(first, T) == (got.grid, got.grid_y), (T, got)
+            checked += 1
+    assert checked > 20
+
+
+def _first_of_interval(breaks, T):
+    i = forms.t_class(breaks, T)
+    return breaks[i - 1] if i else 1
+
+
+@pytest.mark.parametrize("N", [2, 3, 8])
+def test_merge_states_form_serves_every_token_count_of_its_interval(N):
+    breaks = forms.t_breaks(16, 128, 8, 2, 2, DEV)
+    for T in [*range(1, 70000, 997), *breaks]:
+        first = forms.merge_states(N, _first_of_interval(breaks, T), 16, 128, 8, DEV, BF16)
+        got = forms.merge_states(N, T, 16, 128, 8, DEV, BF16)
+        assert _same_form(got, first) and forms.launch_grid(first, T) == (got.grid, got.grid_y), T

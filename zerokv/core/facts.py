@@ -40,7 +40,7 @@ class TwoFacts:
     __slots__ = (
         "objs", "sig", "torch", "device", "regular", "spans", "out_end", "ol_end", "widest", "strides_or",
         "va", "va_st", "va_sh", "vb", "vb_st", "vb_sh", "sa", "sa_st", "sa_sh", "sb", "sb_st", "sb_sh",
-        "out", "out_st", "out_sh", "olse", "ol_st", "ol_sh", "T", "H", "D", "prefix_rows",
+        "out", "out_st", "out_sh", "olse", "ol_st", "ol_sh", "T", "H", "D", "rows", "prefix_rows",
         "a_cu", "a_lens", "a_batch", "cu_len", "cu_st", "lens_len", "lens_st",
         "row_mask", "mask_len", "mask_st", "sinks", "sinks_len", "sinks_st", "out_scale", "scale_len",
         "bscale", "bs_st", "bs_sg", "bs_shape",

@@ -10,6 +10,7 @@ form; the "rows" row (merge_state_kernel) takes every feature and layout, so it 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from typing import Any, NamedTuple
 
 from . import dtypes as _dtypes
@@ -58,6 +59,41 @@ class Form(NamedTuple):
     H_shr: int = 0  # noqa: N815
     lanes: int = 0
     g_shr: int = 0  # per-group fp8: log2 of the packs of one group
+    per_token: int = 0  # threads per token: grid = ceil(T per_token / block); 0: grid_y = T
+
+
+def launch_grid(form: Form, T: int) -> tuple[int, int]:
+    """``(grid, grid_y)`` of ``form`` for ``T`` tokens (a form serves every T of its interval
+    of ``t_breaks``)."""
+    pt = form.per_token
+    return (-(-T * pt // form.kernel.block), 1) if pt else (form.grid, T)
+
+
+def t_breaks(H: int, D: int, vec: int, in_size: int, out_size: int, dev: Device) -> tuple[int, ...]:
+    """The token counts around which a rule of this module may decide differently for calls of
+    (H, D, vector width, element sizes) on ``dev``: every rule compares a quantity linear in T
+    (``T * u``) with a limit ``X``, and ``X // u`` and ``X // u + 1`` bracket where it flips. Between
+    two breaks every rule decides the same, so the form found for one T of an interval serves
+    all of it (``t_class`` numbers the intervals; its grid from ``launch_grid``)."""
+    per_t = H * max(D // vec, 1)  # threads (packs) per token
+    a, b, x, y = THRESHOLDS["rows_mid_l2"]
+    row_bytes = H * D * (2 * in_size + out_size)
+    limits = [
+        (THRESHOLDS["gathered_threads"], per_t),
+        (THRESHOLDS["heads_packs"], per_t),
+        (THRESHOLDS["small_blocks_per_sm"] * dev.sms * _kernels.MERGE_STATE_FLAT.block, per_t),
+        (THRESHOLDS["n_two_packs_per_sm"] * dev.sms, per_t),
+        (INT32, per_t),
+        (dev.l2 * a // b, row_bytes),
+        (dev.l2 * x // y, row_bytes),
+        *((INT32, H * (1 << i)) for i in range(ROW_GROUP_MAX.bit_length())),  # T * H * lanes
+    ]
+    return tuple(sorted({q + d for X, u in limits if u > 0 for q in (X // u,) for d in (0, 1)}))
+
+
+def t_class(breaks: tuple[int, ...], T: int) -> int:
+    """The interval of ``t_breaks`` that holds ``T``."""
+    return bisect_right(breaks, T)
 
 
 class MergeCall(NamedTuple):
@@ -117,7 +153,7 @@ def _flat_form(k: _kernels.Kernel, targs: tuple, extra: tuple, H: int) -> Form:
     threads, packs, rows = extra
     pm, ps = _div(packs)
     hm, hs = _div(H)
-    return Form(k, targs, _ceil(threads, k.block), 1, rows, packs, pm, ps, hm, hs)
+    return Form(k, targs, _ceil(threads, k.block), 1, rows, packs, pm, ps, hm, hs, per_token=H * packs)
 
 
 def _heads(c: MergeCall, ctypes: tuple, flags: tuple) -> Form | None:
@@ -153,7 +189,7 @@ def _rows(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> Form:
     narrow = not full and c.fits32 and c.T * c.H * lanes < INT32
     targs = (*ctypes, c.vec, ppt, full, "int" if narrow else "long long")
     k = _kernels.MERGE_STATE
-    return Form(k, targs, _ceil(c.T * c.H * lanes, k.block), lanes=lanes)
+    return Form(k, targs, _ceil(c.T * c.H * lanes, k.block), lanes=lanes, per_token=c.H * lanes)
 
 
 def row_geometry(packs: int, mid: bool, inplace_lse: bool) -> tuple[int, int]:
@@ -268,7 +304,7 @@ def merge_states(N: int, T: int, H: int, D: int, vec: int, dev: Device, targs: t
             )
         lanes, g_shr = max(lanes, packs), packs.bit_length() - 1
     k = _kernels.MERGE_STATES
-    return Form(k, targs, _ceil(T * H * lanes, k.block), lanes=lanes, g_shr=g_shr)
+    return Form(k, targs, _ceil(T * H * lanes, k.block), lanes=lanes, g_shr=g_shr, per_token=H * lanes)
 
 
 def empty_rows_grid(T: int, H: int, D: int, vec: int, dev: Device) -> int:

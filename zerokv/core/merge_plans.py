@@ -24,7 +24,7 @@ from . import plans as _plans
 from .layout import INT32, apart, apart_all, distinct, end, extent, vec
 from .tensors import torch_tensor_type
 
-_FORM_CACHE_LIMIT = 4096  # distinct (T, H, D, layout) entries a plan keeps; past it, it starts again
+_FORM_CACHE_LIMIT = 4096  # (T, H, D, layout) entries a plan remembers; past it, it starts again
 
 
 class Consts:
@@ -57,7 +57,8 @@ class Plan:
         self.vec = vec(self.in_size) if aligned else 1
         self.ctypes = (_dtypes.ctype(in_dtype), _dtypes.ctype(self.out_dtype))
         self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
-        self.forms: dict = {}
+        self.forms: dict = {}  # (T, H, D, layout) -> the entry of form_entry
+        self.intervals: dict = {}  # (H, D, layout) -> (t_breaks, {interval: entry})
         c = self.consts = Consts()
         c.k, c.inv_k = _checks.LSE_BASES[v["base"]]
         c.suffix_verbatim = c.a_is64 = c.ue8m0 = 0
@@ -86,13 +87,27 @@ class Plan:
             return self.empty(shape, dtype=self.t_f32 if lse else self.t_out, device=self.alloc_device)
         return _outputs.new(f.objs[0], False, self.device, shape, "float32" if lse else self.out_dtype)
 
-    def new_form(self, key: tuple, build: Any) -> tuple:
-        """The cache entry ``(form, launcher, binder, adapt)`` of ``key`` (the facts that choose
-        the form), from ``build(key)`` -> ``(form, facts class, adapt)`` on its first call;
-        ``adapt``: None, or turns the call's facts into those the form's kernel reads."""
-        form, facts_cls, adapt = build(key)
-        launcher = _plans.launcher(form.kernel, form.targs, self.device)
-        entry = (form, launcher, _binder(form.kernel, facts_cls), adapt)
+    def form_entry(self, key: tuple, H: int, D: int, build: Any) -> tuple:
+        """The cache entry ``(form, launcher, binder, adapt)`` of ``key`` (T, then the other facts
+        that choose the form, ``H`` and ``D`` among them), remembered in ``self.forms`` for the
+        calls that repeat it. Forms themselves are kept one per interval of ``forms.t_breaks``,
+        so a new T costs a bisection, never a new form. ``build(key)`` -> ``(form, facts class,
+        adapt)`` on an interval's first call; ``adapt``: None, or turns the call's facts into
+        those the form's kernel reads."""
+        T, sub = key[0], key[1:]
+        slot = self.intervals.get(sub)
+        if slot is None:
+            if len(self.intervals) >= _FORM_CACHE_LIMIT:
+                self.intervals.clear()
+            breaks = _forms.t_breaks(H, D, self.vec, self.in_size, self.out_size, self.dev)
+            slot = self.intervals[sub] = (breaks, {})
+        breaks, by_class = slot
+        i = _forms.t_class(breaks, T)
+        entry = by_class.get(i)
+        if entry is None:
+            form, facts_cls, adapt = build(key)
+            launcher = _plans.launcher(form.kernel, form.targs, self.device)
+            entry = by_class[i] = (form, launcher, _binder(form.kernel, facts_cls), adapt)
         if len(self.forms) >= _FORM_CACHE_LIMIT:
             self.forms.clear()
         self.forms[key] = entry
@@ -231,8 +246,15 @@ class TwoPlan(Plan):
         else:
             inplace, tiles = False, f.sa_st == 1 and f.sa_sh != 1
         key = (T, H, D, inplace, widest < INT32, s32, tiles)
-        form, launcher, bind, _ = self.forms.get(key) or self.new_form(key, self._form)
-        launcher.launch(form.grid, form.grid_y, self.stream(self.device), bind, f, form, self.consts)
+        form, launcher, bind, _ = self.forms.get(key) or self.form_entry(key, H, D, self._form)
+        f.rows = T * H
+        pt = form.per_token
+        if pt:
+            launcher.launch(
+                -(-T * pt // form.kernel.block), 1, self.stream(self.device), bind, f, form, self.consts
+            )
+        else:
+            launcher.launch(form.grid, T, self.stream(self.device), bind, f, form, self.consts)
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:

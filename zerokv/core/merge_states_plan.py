@@ -75,21 +75,16 @@ class NPlan(Plan):
         if T * H == 0:
             return out, out_lse
         tiles = f.ol_st == 1 and f.ol_sh != 1 if f.olse else f.s_st == 1 and f.s_sh != 1
-        key = (N, T, H, D, widest < INT32, s32, tiles)
-        form, launcher, bind, adapt = self.forms.get(key) or self.new_form(key, self._form)
+        key = (T, N, H, D, widest < INT32, s32, tiles)
+        form, launcher, bind, adapt = self.forms.get(key) or self.form_entry(key, H, D, self._form)
+        grid, grid_y = _forms.launch_grid(form, T)
         launcher.launch(
-            form.grid,
-            form.grid_y,
-            self.stream(self.device),
-            bind,
-            f if adapt is None else adapt(f),
-            form,
-            self.consts,
+            grid, grid_y, self.stream(self.device), bind, f if adapt is None else adapt(f), form, self.consts
         )
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
-        N, T, H, D, fits, s32, tiles = key
+        T, N, H, D, fits, s32, tiles = key
         if self.group and N == 2 and self.no_sinks:  # per-group fp8, two states: the flat family
             c = _forms.MergeCall(
                 T, H, D, self.vec, self.in_dtype, self.out_dtype, frozenset({"group_fp8"}), False, fits, s32,
@@ -180,7 +175,7 @@ def _as_two(isz: int, f: _facts.NFacts) -> _facts.TwoFacts:
     t.sa, t.sa_st, t.sa_sh = f.s, f.s_st, f.s_sh
     t.sb, t.sb_st, t.sb_sh = f.s + f.s_sn * 4, f.s_st, f.s_sh
     t.out, t.out_st, t.out_sh, t.olse, t.ol_st, t.ol_sh = f.out, f.out_st, f.out_sh, f.olse, f.ol_st, f.ol_sh
-    t.T, t.H, t.D, t.prefix_rows = f.T, f.H, f.D, f.T
+    t.T, t.H, t.D, t.prefix_rows, t.rows = f.T, f.H, f.D, f.T, f.T * f.H
     t.a_cu = t.a_lens = t.a_batch = t.row_mask = t.sinks = t.out_scale = 0
     t.bscale, t.bs_st, t.bs_sg = f.bscale, f.bs_st, f.bs_sg
     return t
