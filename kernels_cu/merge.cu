@@ -65,8 +65,11 @@ constexpr int F_A64 = 2;        // ... its offsets int64 (else int32)
 constexpr int F_SINKS = 4;      // attention sinks [H]
 constexpr int F_ROW_MASK = 8;   // rows with mask 0 are not touched
 constexpr int F_OUT_SCALE = 16; // fp8 output, merged / *out_scale
-constexpr int F_GROUP_FP8 = 32; // fp8 output with a float32 scale per group of 2^g_shr packs
+constexpr int F_GROUP_FP8 = 32; // fp8 output with a float32 scale per group of packs
 constexpr int F_A_SKIP = 64;    // with F_A_EMPTY: v_a loaded after the request search, only where used
+// with F_GROUP_FP8: log2 of the packs of one group in bits 7-9 (FEAT >> F_GROUP_SHIFT & 7), so that
+// the group's shuffles and index math are compiled for its size (the g_shr parameter is unused)
+constexpr int F_GROUP_SHIFT = 7;
 
 template <typename I> struct Opts {
   const void* a_cu;  // [a_batch + 1] cu_seqlens_q
@@ -77,7 +80,7 @@ template <typename I> struct Opts {
   const float* out_scale;         // one float
   float* bscale;                  // per-group scales: bscale[t bs_st + (h groups + group) bs_sg]
   I bs_st, bs_sg;
-  int g_shr;                      // log2 of the packs of one group
+  int g_shr;                      // log2 of the packs of one group (merge_states; FEAT in the flat forms)
   int ue8m0;                      // scales rounded up to a power of two
 };
 
@@ -121,25 +124,30 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 // consecutive threads, aligned): absmax over the group (NaN wins over any other value, so NaN
 // shows), scale = max(absmax, 1e-10) / 448 correctly rounded, rounded up to a power of two when
 // ue8m0. Every thread of the warp calls it (shuffles); groups wider than a warp (VEC 1 only)
-// meet through shared memory.
-template <int VEC, int BLOCK>
-__device__ __forceinline__ float group_scale(const float* x, int g_shr, int ue8m0) {
+// meet through shared memory. Two forms: the group's size a template argument (the flat forms:
+// exactly log2(lanes) shuffle steps) or a run-time g_shr (merge_states).
+template <int VEC>
+__device__ __forceinline__ float pack_absmax(const float* x) {
   float m = 0.f;
 #pragma unroll
   for (int j = 0; j < VEC; ++j) m = max_nan(m, abs_bits(x[j]));
-  const int lanes = 1 << g_shr;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1)  // every step, a lane's own value past the group's width: no loop
-    m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o & (lanes - 1)));
-  if constexpr (VEC == 1) {
-    if (lanes > 32) {  // the same for every thread of the block
-      __shared__ float s_max[BLOCK / 32];
-      if ((threadIdx.x & 31u) == 0u) s_max[threadIdx.x >> 5] = m;
-      __syncthreads();
-      const int warps = lanes >> 5, w0 = (int)(threadIdx.x >> 5) & ~(warps - 1);
-      for (int w = 0; w < warps; ++w) m = max_nan(m, s_max[w0 + w]);
-    }
-  }
+  return m;
+}
+
+// the absmax of a group of `warps` whole warps (aligned) from each warp's; every thread of the
+// block calls it (a barrier inside)
+template <int BLOCK>
+__device__ __forceinline__ float warps_max(float m, int warps) {
+  __shared__ float s_max[BLOCK / 32];
+  if ((threadIdx.x & 31u) == 0u) s_max[threadIdx.x >> 5] = m;
+  __syncthreads();
+  const int w0 = (int)(threadIdx.x >> 5) & ~(warps - 1);
+  for (int w = 0; w < warps; ++w) m = max_nan(m, s_max[w0 + w]);
+  return m;
+}
+
+// the group's scale from its absmax m
+__device__ __forceinline__ float scale_of_absmax(float m, int ue8m0) {
   // a / 448 correctly rounded for a normal a in three instructions (Markstein, as divide_rn
   // below, with 1 / 448 rounded at compile time); inf and NaN stay as they are
   const float a = max_nan(m, 1e-10f), y = 1.f / 448.f;
@@ -148,6 +156,30 @@ __device__ __forceinline__ float group_scale(const float* x, int g_shr, int ue8m
   unsigned u = __float_as_uint(s);
   if (ue8m0 && (u & 0x7fffffu) && u < 0x7f800000u) u = (u & 0xff800000u) + 0x800000u;  // 2^ceil(log2 s)
   return __uint_as_float(u);
+}
+
+template <int VEC, int BLOCK, int G_SHR>
+__device__ __forceinline__ float group_scale(const float* x, int ue8m0) {
+  constexpr int LANES = 1 << G_SHR;
+  static_assert(LANES <= BLOCK, "a group within one block");
+  float m = pack_absmax<VEC>(x);
+#pragma unroll
+  for (int o = 1; o < LANES && o < 32; o <<= 1) m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if constexpr (LANES > 32) m = warps_max<BLOCK>(m, LANES >> 5);
+  return scale_of_absmax(m, ue8m0);
+}
+
+template <int VEC, int BLOCK>
+__device__ __forceinline__ float group_scale(const float* x, int g_shr, int ue8m0) {
+  float m = pack_absmax<VEC>(x);
+  const int lanes = 1 << g_shr;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1)  // every step, a lane's own value past the group's width: no loop
+    m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, o & (lanes - 1)));
+  if constexpr (VEC == 1) {
+    if (lanes > 32) m = warps_max<BLOCK>(m, lanes >> 5);  // the same for every thread of the block
+  }
+  return scale_of_absmax(m, ue8m0);
 }
 
 __device__ __forceinline__ float div_rn(float x, float y) {
@@ -560,12 +592,14 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
   merged_floats<Tin, VEC>(a, b, c.ca, c.cb, acc);
   Tout* po = out + (t * out_st + h * out_sh + d);
   if constexpr ((FEAT & F_GROUP_FP8) != 0) {
-    const float scale = group_scale<VEC, BLOCK>(acc, o.g_shr, o.ue8m0);
+    constexpr int G_SHR = (FEAT >> F_GROUP_SHIFT) & 7;
+    const float scale = group_scale<VEC, BLOCK, G_SHR>(acc, o.ue8m0);
     divide_rn<VEC>(acc, scale);
     store_pack_if<Tout, VEC>(keep, po, convert_pack<Tout, VEC>(acc, 1.f));
-    const int g = p >> o.g_shr;
-    const I at = t * o.bs_st + ((I)h32 * (I)(packs >> o.g_shr) + (I)g) * o.bs_sg;
-    store_float_if(keep && (p & ((1 << o.g_shr) - 1)) == 0, o.bscale, (i64)at, scale);
+    // the group's number in its token: (h packs + p) >> G_SHR, packs a multiple of the group's
+    // (h packs + p < 2^31: the host keeps every thread index 32-bit)
+    const I at = t * o.bs_st + (I)((h32 * packs + p) >> G_SHR) * o.bs_sg;
+    store_float_if(keep && (p & ((1 << G_SHR) - 1)) == 0, o.bscale, (i64)at, scale);
   } else {
     float inv_scale = 1.f;
     if constexpr ((FEAT & F_OUT_SCALE) != 0) inv_scale = 1.f / __ldg(o.out_scale);

@@ -83,8 +83,10 @@ def test_fp8_outputs_take_the_flat_family_and_groups_in_packs(group):
     for T, vec in ((4, 4), (300, 8), (4200, 8)):  # heads: bf16 in packs of 4
         c = _call(T, out="float8_e4m3fn", features=("group_fp8",), quant_group=group)
         name, targs, f = _pick(c, fp8)
-        assert targs[-1] == _kernels.F_GROUP_FP8 and targs[2] == vec
+        assert targs[-1] == _kernels.group_feature(group, vec) and targs[2] == vec
+        assert targs[-1] & _kernels.F_GROUP_FP8 and 1 << (targs[-1] >> _kernels.F_GROUP_SHIFT) == group // vec
         assert 1 << f.g_shr == group // vec
+        assert targs in _kernels.KERNELS[[k.name for k in _kernels.KERNELS].index(name)].instances
 
 
 def test_several_options_and_an_in_place_lse_leave_the_flat_family():
@@ -136,7 +138,7 @@ def test_group_fp8_packs_its_scales_and_group(recorded, T, vec, fmt):  # noqa: F
     bs = torch.empty(8 * 128 // 32, T).T  # column-major
     zerokv.merge_state(va, sa, vb, sb, out=out8, out_block_scale=bs, quant_group=32, scale_format=fmt)
     name, targs, _, args = recorded[-1]
-    assert targs[-1] == _kernels.F_GROUP_FP8 and targs[1] == "zk_fp8_e4m3" and targs[2] == vec
+    assert targs[-1] == _kernels.group_feature(32, vec) and targs[1] == "zk_fp8_e4m3" and targs[2] == vec
     assert (args["bscale"], args["bs_st"], args["bs_sg"]) == (bs.data_ptr(), 1, T)
     assert 1 << args["g_shr"] == 32 // vec and args["ue8m0"] == (fmt == "ue8m0")
     v = torch.stack([va, vb])
@@ -286,11 +288,15 @@ def _requests(T, index_dtype, seed, batch=9):
     )
 
 
-def _expect_kernel(launched, cls, feature_bit, dtype=None):
+def _expect_kernel(launched, cls, feature_bit, dtype=None, group=0):
     name = CLASSES[cls][4]
     if cls == "flat" and dtype == torch.float32:  # rows of twice the packs reach the gathered form's threads
         name = "merge_state_flat_gathered_kernel"
-    assert any(n == name and t[-1] == feature_bit for n, t in launched), launched
+
+    def feat(t):  # per-group fp8: the group's size in packs of the form's width is part of FEAT
+        return _kernels.group_feature(group, t[2]) if group else feature_bit
+
+    assert any(n == name and t[-1] == feat(t) for n, t in launched), launched
 
 
 @pytest.mark.gpu
@@ -530,7 +536,7 @@ def test_group_fp8_bit_for_bit_on_every_size_class(launched, cls, group, fmt):
         assert torch.equal(out.cpu().view(torch.uint8), want), layout
         assert torch.equal(bs.cpu().contiguous().view(torch.int32), want_s), layout
         assert_close(lse, rl, torch.float32, "lse")
-    _expect_kernel(launched, cls, _kernels.F_GROUP_FP8)
+    _expect_kernel(launched, cls, _kernels.F_GROUP_FP8, group=group)
 
 
 @pytest.mark.gpu

@@ -245,8 +245,10 @@ def flat_options(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) ->
         return None
     if form.kernel is _kernels.MERGE_STATE_FLAT:  # with options, SMALL = 1 stands for both
         form = form._replace(targs=(*form.targs[:3], 1, feat))
-    if name == "group_fp8":
-        form = form._replace(g_shr=(c.quant_group // form.targs[2]).bit_length() - 1)
+    if name == "group_fp8":  # the group's size in FEAT, in packs of the form's width (targs[2])
+        g_shr = (c.quant_group // form.targs[2]).bit_length() - 1
+        group = _kernels.group_feature(c.quant_group, form.targs[2])
+        form = form._replace(targs=(*form.targs[:-1], group), g_shr=g_shr)
     return form
 
 

@@ -153,17 +153,29 @@ F_A_EMPTY, F_A64, F_SINKS, F_ROW_MASK, F_OUT_SCALE, F_GROUP_FP8 = 1, 2, 4, 8, 16
 # with F_A_EMPTY: v_a loaded after the request search, only for the rows that use it (measured
 # slower than loading it with v_b; the gathered forms keep it for the benchmark's comparison)
 F_A_SKIP = 64
+# with F_GROUP_FP8: log2 of the packs of one group in bits 7-9, so that the kernel's shuffles and
+# scale index are compiled for the group's size (the g_shr parameter goes unused there)
+F_GROUP_SHIFT = 7
+QUANT_GROUPS = (16, 32, 64, 128)  # values of one group of per-group fp8
 SAME_DTYPE_FEATURES = (F_A_EMPTY, F_A_EMPTY | F_A64, F_SINKS, F_ROW_MASK)
-FP8_FEATURES = (F_OUT_SCALE, F_GROUP_FP8)
 SKIP_FEATURES = (F_A_EMPTY | F_A_SKIP, F_A_EMPTY | F_A64 | F_A_SKIP)
 _FP8 = _dtypes.ctype("float8_e4m3fn")
 
 
-def feature_pairs(ci: str, skip: bool = False) -> list[tuple[str, int]]:
-    """(output C type, FEAT) of every option feature instantiated for input C type ``ci``
-    (``skip``: with a_empty's F_A_SKIP variants)."""
+def group_feature(group: int, vec: int) -> int:
+    """FEAT of per-group fp8 with groups of ``group`` values in packs of ``vec``."""
+    packs = group // vec
+    if group % vec or packs & (packs - 1) or not 1 <= packs <= 128:  # 3 bits: 1 to 128 packs
+        raise ValueError(f"group_feature: no kernel takes groups of {group} values in packs of {vec}")
+    return F_GROUP_FP8 | (packs.bit_length() - 1) << F_GROUP_SHIFT
+
+
+def feature_pairs(ci: str, vec: int, skip: bool = False) -> list[tuple[str, int]]:
+    """(output C type, FEAT) of every option feature instantiated for input C type ``ci`` in
+    packs of ``vec`` (``skip``: with a_empty's F_A_SKIP variants); per-group fp8 once per group."""
     same = SAME_DTYPE_FEATURES + (SKIP_FEATURES if skip else ())
-    return [(ci, f) for f in same] + [(_FP8, f) for f in FP8_FEATURES]
+    groups = [group_feature(g, vec) for g in QUANT_GROUPS if g % vec == 0]
+    return [(ci, f) for f in same] + [(_FP8, f) for f in (F_OUT_SCALE, *groups)]
 
 
 _OPTION_PARAMS = (
@@ -180,7 +192,7 @@ MERGE_STATE_FLAT = Kernel(
         (ci, co, v, small) for ci, i in _V for co, _ in _V for v in (1, vec(i)) for small in (0, 1)
     )
     # with option features (FEAT, nonzero) no thread returns early: SMALL = 1 stands for both
-    + tuple((ci, co, v, 1, f) for ci, i in _V for co, f in feature_pairs(ci) for v in (1, vec(i))),
+    + tuple((ci, co, v, 1, f) for ci, i in _V for v in (1, vec(i)) for co, f in feature_pairs(ci, v)),
     block=128,
     params=_params(
         "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, i32 H, i32 packs,"
@@ -207,8 +219,8 @@ MERGE_STATE_HEADS = Kernel(
     + tuple(
         (ci, co, v, f)
         for ci, i in _V
-        for co, f in feature_pairs(ci)
         for v in (vec(i), *((vec(i) // 2,) if i == "bfloat16" else ()))
+        for co, f in feature_pairs(ci, v)
     ),
     block=128,
     params=tuple(
@@ -224,7 +236,10 @@ MERGE_STATE_FLAT_GATHERED = Kernel(
     name="merge_state_flat_gathered_kernel",
     instances=tuple((ci, co, vec(i), tile) for ci, i in _V for co, _ in _V for tile in (0, 1))
     + tuple(
-        (ci, co, vec(i), tile, f) for ci, i in _V for co, f in feature_pairs(ci, skip=True) for tile in (0, 1)
+        (ci, co, vec(i), tile, f)
+        for ci, i in _V
+        for co, f in feature_pairs(ci, vec(i), skip=True)
+        for tile in (0, 1)
     ),
     block=512,
     params=MERGE_STATE_FLAT.params,
@@ -235,7 +250,7 @@ MERGE_STATE_FLAT64_GATHERED = Kernel(
     stem="merge",
     name="merge_state_flat64_gathered_kernel",
     instances=tuple((ci, co, vec(i)) for ci, i in _V for co, _ in _V)
-    + tuple((ci, co, vec(i), f) for ci, i in _V for co, f in feature_pairs(ci)),
+    + tuple((ci, co, vec(i), f) for ci, i in _V for co, f in feature_pairs(ci, vec(i))),
     block=512,
     params=tuple((n, "i64" if n.endswith(("_st", "_sh", "_sg")) else c) for n, c in MERGE_STATE_FLAT.params),
 )

@@ -10,6 +10,7 @@ from typing import Any
 
 from . import checks as _checks
 from . import dtypes as _dtypes
+from .kernels import QUANT_GROUPS
 from .layout import INT32
 from .tensors import Tensor, view
 
@@ -44,7 +45,7 @@ def block_scale(
         return None
     if group is None:
         raise ValueError(f"{ng}: required with {nb}")
-    if type(group) is not int or group not in (16, 32, 64, 128):
+    if type(group) is not int or group not in QUANT_GROUPS:
         raise ValueError(f"{ng}: expected a power of two from 16 to 128, got {group!r}")
     if D % group:
         raise ValueError(f"{ng}: must divide head_dim {D}, got {group}")
