@@ -108,6 +108,9 @@ def cases(b: Bench) -> list[Case]:
               lambda t, T: ((t.va[:T], t.sa[:T], t.vb[:T], t.sb[:T], t.out[:T], t.ol[:T]), {})),
              skip="" if baselines.triton is not None and not b.dry else "skipped: needs Triton on a GPU"),
         Case("merge_state", "zerokv", (ms, merge6), (ms, merge4)),
+        Case("floor: read six tensors, pack, cuLaunchKernel (no check)", "floor",
+             (launch_floor(b), merge6), modes="ab",
+             skip="" if not b.dry else "skipped: needs a GPU"),
         Case("merge_state under inference_mode()", "zerokv",
              (ms, lambda t, T: ((t.va[:T], t.sa[:T], t.vb[:T], t.sb[:T]), {"out": t.i_out[:T], "out_lse": t.i_ol[:T]})),
              modes="ab", inference=True),
@@ -145,6 +148,62 @@ def cases(b: Bench) -> list[Case]:
              None, (fi.merge_states, lambda t, T: ((t.v_tn[:T], t.s_tn[:T]), {}))),
     ]  # fmt: skip
     return out
+
+
+def launch_floor(b: Bench) -> Callable[..., None]:
+    """The floor of a pure-Python launch of the plain merge: read each of the six tensors'
+    pointer, shape, strides, dtype and device once, the stream, one ``pack_into`` of the flat
+    kernel's arguments and one ``cuLaunchKernel``; no check, no plan, no form choice (one
+    instantiation for every T). What any Python path pays before it checks anything."""
+    if b.dry:
+        return lambda *a, **k: None
+    from zerokv.core import dtypes, kernels, launch, plans
+
+    torch = b.torch
+    k = kernels.MERGE_STATE_FLAT
+    bf = dtypes.ctype("bfloat16")
+    dev = torch.cuda.current_device()
+    handle = plans.launcher(k, (bf, bf, 8, 0), dev).handle
+    arena, cu_launch, stream_of = launch._arena, launch.driver().launch, torch._C._cuda_getCurrentRawStream
+    pack_into, buf, extra, size, nbytes = (
+        k.packer.pack_into,
+        arena.buf,
+        arena.extra_ptr,
+        arena.size,
+        k.packer.size,
+    )
+    H, D = _hd(b)
+    (pm, ps), (hm, hs) = kernels.fast_divisor(D // 8), kernels.fast_divisor(H)
+
+    def floor(v_a, s_a, v_b, s_b, out=None, out_lse=None):
+        pa, (T, H, D), (a0, a1, _), _, da = (
+            v_a.data_ptr(),
+            v_a.shape,
+            v_a.stride(),
+            v_a.dtype,
+            v_a.get_device(),
+        )
+        pb, _, (b0, b1, _), _, _ = v_b.data_ptr(), v_b.shape, v_b.stride(), v_b.dtype, v_b.get_device()
+        psa, _, (sa0, sa1), _, _ = s_a.data_ptr(), s_a.shape, s_a.stride(), s_a.dtype, s_a.get_device()
+        psb, _, (sb0, sb1), _, _ = s_b.data_ptr(), s_b.shape, s_b.stride(), s_b.dtype, s_b.get_device()
+        po, _, (o0, o1, _), _, _ = out.data_ptr(), out.shape, out.stride(), out.dtype, out.get_device()
+        pl, _, (l0, l1), _, _ = (
+            out_lse.data_ptr(),
+            out_lse.shape,
+            out_lse.stride(),
+            out_lse.dtype,
+            out_lse.get_device(),
+        )
+        rows, packs = T * H, D >> 3
+        pack_into(
+            buf, 0, pa, pb, psa, psb, po, pl, rows, H, packs, pm, ps, hm, hs, sa0, sa1, sb0, sb1,
+            a0, a1, b0, b1, o0, o1, l0, l1, T, 0, 1.4426950408889634, 0.6931471805599453,
+            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        )  # fmt: skip
+        size.value = nbytes  # the arena is shared with zerokv's launches of other sizes
+        cu_launch(handle, -(-rows * packs // 128), 1, 1, 128, 1, 1, 0, stream_of(da), 0, extra)
+
+    return floor
 
 
 def buffers(b: Bench) -> SimpleNamespace:
