@@ -146,8 +146,30 @@ def cases(b: Bench) -> list[Case]:
              (fi.merge_state_in_place, lambda t, T: ((t.ip_v[:T], t.ip_s[:T], t.vb[:T], t.sb[:T]), {}))),
         Case("compat.flashinfer.merge_states", "zerokv",
              None, (fi.merge_states, lambda t, T: ((t.v_tn[:T], t.s_tn[:T]), {}))),
+        Case("cp_merge, one rank (its local part: no collective at N = 1), bf16 wire", "zerokv",
+             (one_rank_cp_merge(b), lambda t, T: ((t.va[:T], t.sa[:T]), {"out": t.out[:T]})),
+             skip="" if not b.dry else "skipped: needs a GPU"),
     ]  # fmt: skip
     return out
+
+
+def one_rank_cp_merge(b: Bench) -> Callable[..., Any]:
+    """``cp_merge`` in a process group of one rank (gloo, made here when none is): its
+    validation, kernels and launches without a collective (N = 1 calls none)."""
+    if b.dry:
+        return lambda *a, **k: None
+    import socket
+
+    import zerokv
+
+    dist = b.torch.distributed
+    if not dist.is_initialized():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    bf16 = b.torch.bfloat16
+    return lambda v, s, out: zerokv.cp_merge(v, s, None, wire_dtype=bf16, out=out)
 
 
 def launch_floor(b: Bench) -> Callable[..., None]:
