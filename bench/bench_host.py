@@ -10,8 +10,9 @@
 * (c) outputs allocated by the op (where it allocates): as (a), without ``out``.
 
 Every measurement is one item of a round; the rounds (3, 1 with ``--quick``) run every item in
-a new order and each item keeps the median of its rounds. Loops run with the garbage
-collector off, synchronised before and after. ``host_first``: the first call of each of 24 new
+a new order and each item keeps the median of its rounds, after a warm-up that meets every
+kernel form of the rounds' T (a compile inside a round is the cold start's cost, measured
+below, not a call's). Loops run with the garbage collector off, synchronised before and after. ``host_first``: the first call of each of 24 new
 merge_state signatures after ``zerokv.precompile`` loaded every kernel (µs, synchronised).
 
 **Compile**: the first call of each op in a fresh process with its own ``CUPY_CACHE_DIR``:
@@ -266,10 +267,18 @@ def buffers(b: Bench) -> SimpleNamespace:
         layers=layers,
         t_same=t_same,
         rounds=[(torch.randperm(per_round, generator=g) + 1).tolist() for _ in range(rounds)],
-        warmup=list(range(t_max - WARMUP + 1, t_max + 1)),  # T values no round uses
+        warmup=_warmup_tokens(per_round, t_max),
     )
     b.shared["host_plan"] = p
     return p
+
+
+def _warmup_tokens(per_round: int, t_max: int) -> list[int]:
+    """T values of the warm-up: a geometric sweep over the rounds' range, so that every kernel
+    form those T take is compiled and loaded before the timing (a form first met inside a
+    round costs its NVRTC compile there), then T values no round uses."""
+    sweep = sorted({int(1.15**k) for k in range(80) if 1 <= int(1.15**k) <= per_round})
+    return sweep + list(range(t_max - WARMUP + 1, t_max + 1))
 
 
 def _hd(b: Bench) -> tuple[int, int]:
