@@ -7,6 +7,8 @@
   by copies of what the other simulated ranks produced in earlier passes), a CUDA graph of the
   all-to-all's pack and merge, and a real NCCL group of one.
 * Two GPUs: NCCL, in ``tests/test_multigpu.py``.
+* No GPU needed: host tensors down the GPU path (launches and collectives recorded): a plan per
+  signature, its cheap check, and the full validation's errors for the calls it sends back.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import datetime
 import json
 import os
 import time
+import types
 
 import numpy as np
 import pytest
@@ -51,6 +54,7 @@ from cp_cases import (
 
 import zerokv
 from zerokv import reference
+from zerokv.compat import vllm
 
 dist = torch.distributed
 
@@ -402,3 +406,206 @@ def test_launches_pack_every_parameter_by_name(monkeypatch):
     with pytest.raises(TypeError, match=r"missing \['batch'\]"):
         launch_mod.launch(kernels.CP_PACK_LSE, (0,), 0, 1, 0, **dict.fromkeys(["s", "s_st", "s_sh", "dst", "T", "H",
                           "seq_lens", "sl_is64", "qsl", "q_is64"], 0))  # fmt: skip
+
+
+# --- the GPU path's host side: a plan per signature, its cheap check, the full validation -------
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    """Host tensors down the GPU path in a faked group of ``seen.N`` ranks: launches and
+    collectives recorded, the Args each run got kept, and every call of ``validate`` (its Args
+    or the exception it raised) in ``seen.validated``."""
+    from zerokv.core import device as _device
+    from zerokv.core import plans as _plans
+
+    seen = types.SimpleNamespace(N=1, launches=[], collectives=[], validated=[], args=[])
+    _plans.clear_cache()
+    monkeypatch.setattr(_plans, "launcher", lambda k, t, d: _Recorder(k, t, d, seen.launches))
+    monkeypatch.setattr(_device, "torch_stream", lambda device: 0)
+    monkeypatch.setattr(cpm, "_group", lambda torch_, group, arg: (None, seen.N, 0))
+    names = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+    fake = tuple(lambda *a, _n=n, **k: seen.collectives.append(_n) for n in names)
+    monkeypatch.setattr(cpm, "_collectives", lambda torch_: fake)
+    read, validate = cpm._plan.read, cpm.validate
+
+    def on_device(*a):  # the branch a CUDA tensor takes
+        f = read(*a)
+        if f is not None:
+            f.device = 0
+        return f
+
+    def counted(*a):
+        try:
+            seen.validated.append(validate(*a))
+        except (TypeError, ValueError) as e:
+            seen.validated.append(e)
+            raise
+        return seen.validated[-1]
+
+    monkeypatch.setattr(cpm._plan, "read", on_device)
+    monkeypatch.setattr(cpm, "validate", counted)
+    for mod in (cpm.cp_merge_allgather, cpm.cp_merge_a2a):
+        monkeypatch.setattr(mod, "run", lambda *a, _run=mod.run: (seen.args.append(a[5]), _run(*a))[1])
+    yield seen
+    _plans.clear_cache()
+
+
+BF = torch.bfloat16
+
+
+def _nan(shape, dtype=torch.float32):
+    return torch.full(shape, NAN, dtype=dtype)
+
+
+def _vs(T, H, dtype):
+    g = torch.Generator().manual_seed(T)
+    return {"v": torch.randn(T, H, 16, generator=g).to(dtype), "s": torch.randn(T, H, generator=g)}
+
+
+def _send(T):
+    v, s, send = zerokv.cp_send_buffer(T, 4, 16, BF, None, device="cpu")
+    return {"v": v, "s": s, "send": send, "exchange": "a2a", "out": _nan((T, 4, 16), BF)}
+
+
+def _combine(k):
+    k = dict(k)
+    return cpm.combine(k.pop("v"), k.pop("s"), None, **k)
+
+
+def _vllm(k):
+    return vllm.cp_lse_ag_out_rs(k["v"], k["s"], None, return_lse=True)
+
+
+# name: (N, the call's arguments for T tokens, the call); H = 4, D = 16
+SIGNATURES = {
+    "plain": (1, lambda T: dict(_vs(T, 4, BF), out=_nan((T, 4, 16), BF), wire_dtype=BF), _combine),
+    "options": (1, lambda T: dict(v=torch.randn(T, 6, 16)[:, :4], s=torch.randn(4, T).T, out=_nan((T, 4, 16)),
+                                  out_lse=_nan((T, 4)), sinks=torch.randn(4), lse_base=2, return_lse=True), _combine),
+    "fp8": (1, lambda T: dict(_vs(T, 4, torch.float16), scatter="none", out_scale=torch.tensor([0.5]),
+                              out=torch.zeros(T, 4, 16, dtype=torch.float8_e4m3fn)), _combine),
+    "shards": (1, lambda T: dict(_vs(T, 4, torch.float16), nan_empty=True, out=_nan((T, 4, 16)),
+                                 empty_shards=(torch.tensor([1, 0], dtype=torch.int32), torch.tensor([0, 2, T]))),
+               _combine),
+    "two ranks": (2, lambda T: dict(_vs(T, 4, BF), out=_nan((T, 2, 16), BF)), _combine),
+    "a2a": (1, lambda T: dict(_vs(T, 4, torch.float32), exchange="a2a", out=_nan((T, 4, 16)),
+                              out_lse=_nan((T, 4))), _combine),
+    "send": (1, _send, _combine),
+    "vllm": (1, lambda T: dict(_vs(T, 4, BF)), _vllm),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SIGNATURES)
+def test_later_calls_of_a_signature_take_its_plan(gpu_path, name):
+    """The first call of a signature is validated; later calls (another T, new tensors) are
+    not, and hand the runs the Args and launches that the full validation gives (the arguments
+    differ only by the buffers each call allocates)."""
+    seen = gpu_path
+    seen.N, make, call = SIGNATURES[name]
+    call(make(5))
+    assert len(seen.validated) == 1
+    k = make(9)
+    for rnd in range(2):  # 0: the plan; 1: the same call validated (the plans forgotten)
+        seen.launches.clear()
+        call(k)
+        assert len(seen.validated) == 1 + rnd
+        if rnd == 0:
+            fast, launched = seen.args[-1], [x[:4] for x in seen.launches]  # (kernel, form, grid)
+            cpm._plan._plans.clear_cache()
+    assert fast == seen.args[-1] == seen.validated[-1]
+    assert launched == [x[:4] for x in seen.launches] and len(seen.args) == 3
+
+
+def _alias_buffer(k):
+    buf = torch.randn(k["v"].numel() + 1).to(BF)
+    return {**k, "v": buf[:-1].view(k["v"].shape), "out": buf[1:].view(k["v"].shape)}
+
+
+def _shared_outputs(k):
+    buf = _nan((k["out"].numel(),))
+    return {
+        **k,
+        "out": buf.view(k["out"].shape),
+        "out_lse": buf[: k["out_lse"].numel()].view(k["out_lse"].shape),
+    }
+
+
+def _lse_over_sinks(k):
+    buf = _nan((4 + k["out_lse"].numel(),))
+    return {**k, "sinks": buf[:4], "out_lse": buf[3 : 3 + k["out_lse"].numel()].view(k["out_lse"].shape)}
+
+
+def _inference_out(k):
+    with torch.inference_mode():
+        return {**k, "out": _nan(k["out"].shape, BF)}
+
+
+def _buffer_of_two(k):
+    b = cpm.CpSendBuffer(torch, cpm.cp_merge_a2a.layout(2, 9, 2, 16, "bfloat16"), "cpu")
+    return {**k, "v": b.v, "s": b.lse, "send": b}
+
+
+BROKEN = [  # (signature, rule broken on a later call, the arguments, the validation's message)
+    ("plain", "s shape", lambda k: {**k, "s": k["s"][:, :3]}, r"s: expected shape \(9, 4\)"),
+    ("plain", "v head_dim stride", lambda k: {**k, "v": torch.zeros(9, 4, 32, dtype=BF)[..., ::2]}, "v: the last"),
+    ("two ranks", "heads over ranks", lambda k: {**k, "v": k["v"][:, :3], "s": k["s"][:, :3], "out": _nan((9, 1, 16), BF)},
+     "3 heads cannot be"),
+    ("plain", "out shape", lambda k: {**k, "out": _nan((9, 5, 16), BF)}, "out: expected shape"),
+    ("plain", "out head_dim stride", lambda k: {**k, "out": _nan((9, 4, 32), BF)[..., ::2]}, "out: the last"),
+    ("plain", "out requires grad", lambda k: {**k, "out": _nan((9, 4, 16), BF).requires_grad_()}, "out: requires grad"),
+    ("plain", "out an inference tensor", _inference_out, "out: is an inference tensor"),
+    ("plain", "out expanded", lambda k: {**k, "out": _nan((1, 4, 16), BF).expand(9, 4, 16)}, "out: dimension 0 has"),
+    ("plain", "out is v", lambda k: {**k, "out": k["v"]}, "out is the same memory as the input v"),
+    ("plain", "out overlaps v", _alias_buffer, "out overlaps the input v"),
+    ("options", "out_lse is s", lambda k: {**k, "out_lse": k["s"]}, "out_lse is the same memory as the input s"),
+    ("options", "outputs share", _shared_outputs, "out and out_lse share memory"),
+    ("options", "out_lse shape", lambda k: {**k, "out_lse": _nan((9, 5))}, "out_lse: expected shape"),
+    ("options", "sinks length", lambda k: {**k, "sinks": torch.zeros(5)}, r"sinks: expected shape \(4,\)"),
+    ("options", "sinks stride", lambda k: {**k, "sinks": torch.zeros(8)[::2]}, "sinks: must be contiguous"),
+    ("options", "out_lse over sinks", _lse_over_sinks, "out_lse overlaps the input sinks"),
+    ("fp8", "out_scale size", lambda k: {**k, "out_scale": torch.ones(2)}, "out_scale: expected one element"),
+    ("shards", "query_start_loc length", lambda k: {**k, "empty_shards": (k["empty_shards"][0], torch.tensor([0, 9]))},
+     "query_start_loc: expected 3 entries"),
+    ("shards", "seq_lens stride", lambda k: {**k, "empty_shards": (torch.zeros(4, dtype=torch.int32)[::2],
+     k["empty_shards"][1])}, "seq_lens: must be contiguous"),
+    ("a2a", "out is v", lambda k: {**k, "out": k["v"]}, "out is the same memory as the input v"),
+    ("send", "other views", lambda k: {**k, "v": k["v"].clone()}, "v: with send=, pass the views"),
+    ("send", "a buffer of two ranks", _buffer_of_two, "send: made for a group of 2 ranks"),
+    ("send", "out in the buffer", lambda k: {**k, "out": k["send"].send.view(BF)[: 9 * 64].view(9, 4, 16)},
+     "out overlaps the input v"),
+    ("vllm", "lse shape", lambda k: {**k, "s": k["s"][:, :3]}, r"cp_attn_lse: expected shape \(9, 4\)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, rule, broken, match", BROKEN, ids=[f"{b[0]}: {b[1]}" for b in BROKEN])
+def test_a_later_call_that_breaks_a_rule_raises_the_validations_error(gpu_path, name, rule, broken, match):
+    """A call of a known signature that breaks a rule of the cheap check goes to the full
+    validation: its error, with the caller's names; nothing launched, sent or written."""
+    seen = gpu_path
+    seen.N, make, call = SIGNATURES[name]
+    call(make(5))
+    k = broken(make(9))
+    before = {
+        n: x.detach().clone() for n, x in k.items() if n.startswith("out") and isinstance(x, torch.Tensor)
+    }
+    seen.launches.clear()
+    seen.collectives.clear()
+    with pytest.raises((TypeError, ValueError), match=match) as e:
+        call(k)
+    assert e.value is seen.validated[-1] and len(seen.validated) == 2
+    assert seen.launches == [] and seen.collectives == []
+    for n, x in before.items():
+        assert torch.equal(k[n].detach().float().nan_to_num(7.0), x.float().nan_to_num(7.0)), f"{n} written"
+
+
+def test_calls_the_cheap_check_cannot_decide_are_let_through_by_the_full_validation(gpu_path):
+    """out_lse interleaved with s (byte ranges that cross, no shared element): validated, and
+    run; an output of a torch subclass is not read into facts (validated on every call)."""
+    seen = gpu_path
+    make = SIGNATURES["options"][1]
+    _combine(make(5))
+    buf = _nan((9, 8))
+    _combine({**make(9), "s": buf[:, ::2].normal_(), "out_lse": buf[:, 1::2]})
+    assert len(seen.validated) == 2 and len(seen.args) == 2 and seen.args[1] == seen.validated[1]
+    k = {**make(9), "out": torch.nn.Parameter(_nan((9, 4, 16)), requires_grad=False)}
+    assert cpm._plan.read(k["v"], k["s"], k["sinks"], k["out"], k["out_lse"], None, None) is None

@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from . import cp_merge_a2a, cp_merge_allgather, cp_merge_cpu
+from . import cp_merge_plan as _plan
 from .cp_merge_a2a import CpSendBuffer
 from .cp_merge_args import Names, dtype_name, validate
 
@@ -178,11 +179,18 @@ def combine(
         return validate(torch, v, s, N, scatter, exchange, lse_base, wire_dtype, sinks, out, out_lse,
                         out_scale, empty_shards, send, n)  # fmt: skip
 
-    if v.device.type == "cpu":
-        return cp_merge_cpu.run(
-            torch, pg, N, rank, collectives, n, return_lse, checked, out, out_lse, nan_empty
-        )
-    a = checked()
+    f = _plan.read(v, s, sinks, out, out_lse, out_scale, empty_shards)
+    if f is None or f.device < 0:  # host tensors, or arguments only the full validation reads
+        if v.device.type == "cpu":
+            return cp_merge_cpu.run(
+                torch, pg, N, rank, collectives, n, return_lse, checked, out, out_lse, nan_empty
+            )
+        a = checked()
+    else:  # the signature's plan and its cheap check; the full validation when they cannot decide
+        key, a = _plan.find(f, N, rank, scatter, exchange, lse_base, wire_dtype, send, nan_empty, return_lse)
+        if a is None:
+            a = checked()
+            _plan.learn(key, a)
     if out is None:
         out = torch.empty((a.T, a.Hn, a.D), dtype=getattr(torch, a.out_dtype), device=v.device)
     if out_lse is None and return_lse:

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from .core import device as _device
 from .core import dtypes as _dtypes
 from .core import kernels as _kernels
+from .core.tensors import torch_view
 from .cp_merge_args import Args
 from .cp_merge_launch import launch
 
@@ -58,15 +59,19 @@ class CpSendBuffer:
     """A send buffer for ``cp_merge(..., exchange="a2a", send=...)``, made by
     :func:`zerokv.cp_send_buffer`: ``v`` ``[N, T, H/N, D]`` and ``lse`` ``[N, T, H/N]`` (float32)
     are views of it, peer ``j``'s heads at ``[j]``; ``recv`` is the receive buffer (the same
-    memory as ``send`` in a group of one). Reused across calls (CUDA-graph safe)."""
+    memory as ``send`` in a group of one). Reused across calls (CUDA-graph safe). ``facts``:
+    the views' records and the buffers' byte ranges, read once for the calls' cheap check."""
 
-    __slots__ = ("layout", "send", "recv", "v", "lse")
+    __slots__ = ("layout", "send", "recv", "v", "lse", "facts")
 
     def __init__(self, torch: Any, lay: Layout, device: Any) -> None:
         self.layout = lay
         self.send = torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
         self.recv = torch.empty_like(self.send) if lay.N > 1 else self.send
         self.v, self.lse = views(torch, self.send, lay)
+        bufs = (self.send,) if self.recv is self.send else (self.send, self.recv)
+        spans = tuple((b.data_ptr(), b.data_ptr() + lay.nbytes) for b in bufs if lay.nbytes)
+        self.facts = (torch_view(self.v), torch_view(self.lse), spans)
 
     def __repr__(self) -> str:
         lay = self.layout

@@ -12,7 +12,7 @@ from .core import checks as _checks
 from .core import device as _device
 from .core import dtypes as _dtypes
 from .core import kernels as _kernels
-from .core.tensors import Tensor, view
+from .core.tensors import Tensor, torch_view
 from .cp_merge_args import Args
 from .cp_merge_launch import launch
 
@@ -28,7 +28,7 @@ def run(torch, pg, N, rank, collectives, a: Args, v, s, out, out_lse, nan_empty)
 
     # 1. every rank's LSE, [N, T, H] float32: straight from s when it is contiguous and needs no
     #    mask; otherwise packed into this rank's slot of the gather buffer (an in-place gather).
-    plain = a.seq_lens is None and tuple(s.stride()) == (H, 1)
+    plain = a.seq_lens is None and a.s.strides == (H, 1)
     if plain and N == 1:
         lses = s
     else:
@@ -47,7 +47,7 @@ def run(torch, pg, N, rank, collectives, a: Args, v, s, out, out_lse, nan_empty)
 
     # 2. this rank's share in the collective's layout (rank j's heads contiguous), in the wire
     #    dtype; 3. the sum; 4. the conversion to the output, unless the collective wrote it.
-    o = view(out, "out")
+    o = torch_view(out)  # validated, or allocated by the call
     direct = o.dtype == a.wire and out.is_contiguous()
     wire_t = getattr(torch, a.wire)
     if scatter == "none":
@@ -135,7 +135,7 @@ class _Combine:
     def __init__(self, a: Args, N, rank, lses_ptr, lse_h0, out_lse, nan_empty, stream) -> None:
         vt = a.v
         self.a, self.N, self.rank, self.lses_ptr, self.lse_h0 = a, N, rank, lses_ptr, lse_h0
-        self.ol = None if out_lse is None else view(out_lse, "out_lse")
+        self.ol = None if out_lse is None else torch_view(out_lse)
         self.nan_empty, self.stream = int(nan_empty), stream
         vec = _kernels.vec(vt.dtype)
         if a.D % vec or vt.ptr % 16 or vt.strides[0] % vec or vt.strides[1] % vec:

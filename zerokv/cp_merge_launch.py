@@ -2,9 +2,9 @@
 arguments, device) found by one lookup, the arguments packed by name from the kernel's
 description (``Kernel.binder``), one ``cuLaunchKernel`` on the caller's stream.
 
-The call's facts are the validated ``cp_merge_args.Args`` (the collectives around the kernels
-cost far more than reading them); each launch names every parameter of its kernel, checked
-against the description when the plan is built.
+The call's facts are its ``cp_merge_args.Args``: from the signature's plan and its cheap check
+(``cp_merge_plan``), or from the full validation; each launch names every parameter of its
+kernel, checked against the description when the plan is built.
 """
 
 from __future__ import annotations
