@@ -88,12 +88,10 @@ class Plan:
         return _outputs.new(f.objs[0], False, self.device, shape, "float32" if lse else self.out_dtype)
 
     def form_entry(self, key: tuple, H: int, D: int, build: Any) -> tuple:
-        """The cache entry ``(form, launcher, binder, adapt)`` of ``key`` (T, then the other facts
-        that choose the form, ``H`` and ``D`` among them), remembered in ``self.forms`` for the
-        calls that repeat it. Forms themselves are kept one per interval of ``forms.t_breaks``,
-        so a new T costs a bisection, never a new form. ``build(key)`` -> ``(form, facts class,
-        adapt)`` on an interval's first call; ``adapt``: None, or turns the call's facts into
-        those the form's kernel reads."""
+        """The entry ``(form, launcher, binder, adapt)`` of ``key`` (T, then the other facts that
+        choose the form), kept in ``self.forms``; one form per interval of ``forms.t_breaks``, so
+        a new T costs a bisection. ``build(key)`` -> ``(form, facts class, adapt)`` on an
+        interval's first call; ``adapt``: None, or makes the facts the form's kernel reads."""
         T, sub = key[0], key[1:]
         slot = self.intervals.get(sub)
         if slot is None:
