@@ -11,6 +11,7 @@ form; the "rows" row (merge_state_kernel) takes every feature and layout, so it 
 from __future__ import annotations
 
 from bisect import bisect_right
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from . import dtypes as _dtypes
@@ -69,6 +70,7 @@ def launch_grid(form: Form, T: int) -> tuple[int, int]:
     return (-(-T * pt // form.kernel.block), 1) if pt else (form.grid, T)
 
 
+@lru_cache(maxsize=1024)  # shared by the plans of every signature of one shape
 def t_breaks(H: int, D: int, vec: int, in_size: int, out_size: int, dev: Device) -> tuple[int, ...]:
     """The token counts around which a rule of this module may decide differently for calls of
     (H, D, vector width, element sizes) on ``dev``: every rule compares a quantity linear in T
