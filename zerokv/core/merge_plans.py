@@ -246,13 +246,8 @@ class TwoPlan(Plan):
         key = (T, H, D, inplace, widest < INT32, s32, tiles)
         form, launcher, bind, _ = self.forms.get(key) or self.form_entry(key, H, D, self._form)
         f.rows = T * H
-        pt = form.per_token
-        if pt:
-            launcher.launch(
-                -(-T * pt // form.kernel.block), 1, self.stream(self.device), bind, f, form, self.consts
-            )
-        else:
-            launcher.launch(form.grid, T, self.stream(self.device), bind, f, form, self.consts)
+        grid, grid_y = _forms.launch_grid(form, T)
+        launcher.launch(grid, grid_y, self.stream(self.device), bind, f, form, self.consts)
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
