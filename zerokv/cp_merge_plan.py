@@ -37,31 +37,16 @@ def read(v, s, sinks, out, out_lse, out_scale, shards) -> Facts | None:
     tt = torch_tensor_type()
     if type(v) is not tt or type(s) is not tt:
         return None
-    try:  # straight-line on purpose (the hot path): v, s, out, out_lse, then the rarer options
+    try:  # v, s, out, out_lse, then the rarer options
         f = Facts()
         f.v, f.s = tv, ts = torch_view(v), torch_view(s)
         sig = [tv.dtype, tv.device, ts.dtype, ts.device]
-        if out is None:
-            f.out = None
-            sig.append(None)
-        elif type(out) is tt:
-            f.out = t = torch_view(out)
-            sig += (t.dtype, t.device)
+        f.out, f.ol = _record(out, tt, sig), _record(out_lse, tt, sig)
+        if sinks is None and out_scale is None and shards is None:
+            f.sinks = f.scale = f.sl = f.q = None
         else:
-            return None
-        if out_lse is None:
-            f.ol = None
-            sig.append(None)
-        elif type(out_lse) is tt:
-            f.ol = t = torch_view(out_lse)
-            sig += (t.dtype, t.device)
-        else:
-            return None
-        f.sinks = f.scale = f.sl = f.q = None
-        if (sinks is not None or out_scale is not None or shards is not None) and not _read_options(
-            f, sig, tt, sinks, out_scale, shards
-        ):
-            return None
+            sl, q = (None, None) if shards is None else (shards[0], shards[1])
+            f.sinks, f.scale, f.sl, f.q = (_record(x, tt, sig) for x in (sinks, out_scale, sl, q))
     except _UNREADABLE:
         return None
     f.device = tv.device
@@ -69,20 +54,17 @@ def read(v, s, sinks, out, out_lse, out_scale, shards) -> Facts | None:
     return f
 
 
-def _read_options(f: Facts, sig: list, tt: type, sinks, out_scale, shards) -> bool:
-    """sinks, out_scale and the empty-shard pair into ``f`` and ``sig``; False when one is not
-    a plain torch tensor."""
-    sl, q = (None, None) if shards is None else (shards[0], shards[1])
-    for name, x in (("sinks", sinks), ("scale", out_scale), ("sl", sl), ("q", q)):
-        if x is None:
-            sig.append(None)
-        elif type(x) is tt:
-            t = torch_view(x)
-            setattr(f, name, t)
-            sig += (t.dtype, t.device)
-        else:
-            return False
-    return True
+def _record(x, tt: type, sig: list) -> Tensor | None:
+    """The record of an optional tensor (None when not given), its dtype and device (or None)
+    into ``sig``; TypeError when it is not a plain torch tensor (the full validation decides)."""
+    if x is None:
+        sig.append(None)
+        return None
+    if type(x) is not tt:
+        raise TypeError("not a plain torch tensor")
+    t = torch_view(x)
+    sig += (t.dtype, t.device)
+    return t
 
 
 def find(f: Facts, N, rank, scatter, exchange, lse_base, wire_dtype, send, nan_empty, return_lse) -> tuple:

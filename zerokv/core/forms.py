@@ -52,7 +52,6 @@ class Form(NamedTuple):
     targs: tuple
     grid: int
     grid_y: int = 1
-    rows: int = 0
     packs: int = 0
     packs_mul: int = 0
     packs_shr: int = 0
@@ -132,7 +131,7 @@ def flat_family(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> 
         return None
     packs = c.D // c.vec
     threads = c.T * c.H * packs
-    extra = (threads, packs, c.T * c.H)
+    extra = (threads, packs)
     if not c.fits32:
         if threads >= INT32 or c.vec == 1:
             return None
@@ -152,10 +151,10 @@ def flat_family(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> 
 
 
 def _flat_form(k: _kernels.Kernel, targs: tuple, extra: tuple, H: int) -> Form:
-    threads, packs, rows = extra
+    threads, packs = extra
     pm, ps = _div(packs)
     hm, hs = _div(H)
-    return Form(k, targs, _ceil(threads, k.block), 1, rows, packs, pm, ps, hm, hs, per_token=H * packs)
+    return Form(k, targs, _ceil(threads, k.block), 1, packs, pm, ps, hm, hs, per_token=H * packs)
 
 
 def _heads(c: MergeCall, ctypes: tuple, flags: tuple) -> Form | None:
@@ -242,15 +241,14 @@ def flat_options(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) ->
         threads = c.T * c.H * (c.D // c.vec)
         if threads < INT32:
             k = _kernels.MERGE_STATE_FLAT64_GATHERED
-            form = _flat_form(k, (*ctypes, c.vec, feat), (threads, c.D // c.vec, c.T * c.H), c.H)
+            form = _flat_form(k, (*ctypes, c.vec, feat), (threads, c.D // c.vec), c.H)
     if form is None:
         return None
     if form.kernel is _kernels.MERGE_STATE_FLAT:  # with options, SMALL = 1 stands for both
         form = form._replace(targs=(*form.targs[:3], 1, feat))
     if name == "group_fp8":  # the group's size in FEAT, in packs of the form's width (targs[2])
-        g_shr = (c.quant_group // form.targs[2]).bit_length() - 1
         group = _kernels.group_feature(c.quant_group, form.targs[2])
-        form = form._replace(targs=(*form.targs[:-1], group), g_shr=g_shr)
+        form = form._replace(targs=(*form.targs[:-1], group), g_shr=group >> _kernels.F_GROUP_SHIFT & 7)
     return form
 
 
