@@ -4,9 +4,9 @@ Each step of the path timed alone on the same tensors (µs, median of interleave
 
     PYTHONPATH=. python3 -m bench.profile_call [--cpu]
 
-read (facts), lookup (plan of the signature), check (the plan's cheap check), form + pack
-(the cached form, the arguments packed by name, no launch), launch (``cuLaunchKernel``), and
-the whole public call. ``--cpu``: CPU tensors routed down the GPU path with the launch left
+lookup (the generated calls of the call's scalars), the signature's generated call (read,
+cheap check, form, pack, launch), the whole public call, a new T, the facts record and plan
+lookup that a call of another signature pays, and the launch alone (``cuLaunchKernel``). ``--cpu``: CPU tensors routed down the GPU path with the launch left
 out (the Python steps only; no GPU needed).
 """
 
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import zerokv
-    from zerokv.core import facts, plans
+    from zerokv.core import facts, forms, plans
 
     dev = "cpu" if args.cpu else "cuda"
     T, H, D = args.T, 16, 128
@@ -39,28 +39,22 @@ def main(argv: list[str] | None = None) -> int:
         _route_cpu_down_the_gpu_path()
     objs = (va, sa, vb, sb, out, ol, None, None, None, None, None)
     zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=ol)
-    f = facts.read_two(objs)
-    if args.cpu:
-        f.device = 0
     scalars = ("e", True, False, False, None, "float32", False)
-    plan = plans.get((scalars, f.sig))
-    f.prefix_rows, f.rows = T, T * H
-    key = next(iter(plan.forms))  # (T, the other facts that chose the form)
-    form, launcher, bind, _ = plan.forms[key]
-    buf = bytearray(form.kernel.packer.size)
+    (call,) = plans.recent[scalars]  # the signature's generated call
     steps = {
         "torch.mul(out=)": lambda: torch.mul(a, b, out=c),
-        "read (facts)": lambda: facts.read_two(objs),
-        "lookup (plan)": lambda: plans.get((scalars, f.sig)),
-        "check (cheap)": lambda: plan.check(f),
-        "form + pack": lambda: bind(buf, f, plan.forms[key][0], plan.consts),
+        "lookup (recent calls)": lambda: plans.recent.get(scalars),
+        "generated call": lambda: call(objs, None),
         "merge_state (all)": lambda: zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=ol),
         "... a new T (all)": _new_t(zerokv.merge_state, dev),
         "... its slicing alone": _new_t(lambda *a, **k: None, dev),
+        "facts + plan (a miss)": lambda: plans.get((scalars, facts.read_two(objs).sig)),
     }
     if not args.cpu:
+        form, launcher, _, _ = next(iter(call.__globals__["FORMS"].values()))
         stream = torch.cuda.current_stream().cuda_stream
-        steps["launch"] = lambda: launcher.launch(form.grid, form.grid_y, stream, bind, f, form, plan.consts)
+        grid, grid_y = forms.launch_grid(form, T)
+        steps["launch alone (packed)"] = lambda: launcher.fire(grid, grid_y, stream)
     got: dict[str, list[float]] = {k: [] for k in steps}
     n = 2000
     for _ in range(7):
@@ -106,6 +100,9 @@ def _route_cpu_down_the_gpu_path() -> None:
 
         def launch(self, grid, grid_y, stream, bind, *records):
             bind(self.buf, *records)
+
+        def fire(self, grid, grid_y, stream):
+            pass
 
     plans.launcher = _NoLaunch
     device.sm_count, device.l2_bytes, device.torch_stream = (

@@ -16,6 +16,7 @@ from zerokv.compat import sglang, vllm
 from zerokv.core import device as _device
 from zerokv.core import facts as _facts
 from zerokv.core import kernels as _kernels
+from zerokv.core import launch as _launch
 from zerokv.core import plans as _plans
 
 BF16 = ("zk_bfloat16", "zk_bfloat16")
@@ -28,9 +29,13 @@ class _Recorder:
         self.kernel, self.targs, self.log = kernel, targs, log
 
     def launch(self, grid, grid_y, stream, bind, *records):
-        buf = bytearray(self.kernel.packer.size)
-        bind(buf, *records)
-        values = self.kernel.packer.unpack(bytes(buf))
+        _launch._arena.buf[: self.kernel.packer.size] = bytes(self.kernel.packer.size)
+        bind(_launch._arena.buf, *records)
+        self.fire(grid, grid_y, stream)
+
+    def fire(self, grid, grid_y, stream):
+        """What a launch of the arguments packed in this thread's buffer would launch."""
+        values = self.kernel.packer.unpack_from(_launch._arena.buf)
         args = dict(zip((n for n, _ in self.kernel.params), values, strict=True))
         self.log.append((self.kernel.name, self.targs, grid if grid_y == 1 else (grid, grid_y), args))
 

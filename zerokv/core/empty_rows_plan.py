@@ -16,8 +16,9 @@ from . import facts as _facts
 from . import forms as _forms
 from . import kernels as _kernels
 from . import plans as _plans
-from .layout import INT32, apart, distinct
-from .tensors import torch_tensor_type, view
+from . import rows_call as _rows_call
+from .layout import INT32
+from .tensors import view
 
 _NAMES = {
     _kernels.RULE_KV_LENS_ZERO: ("out", "lse", "cu_seqlens_q", "kv_lens"),
@@ -26,7 +27,15 @@ _NAMES = {
 
 
 def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
-    """``objs``: (out, lse, cu_q, lens); ``names``: how the caller calls them (messages)."""
+    """``objs``: (out, lse, cu_q, lens); ``names``: how the caller calls them (messages). The
+    generated calls of recent signatures first (:mod:`rows_call`), then the plan of the call's
+    signature: its call, or the full validation and the launch."""
+    key = ("empty_rows", rule)
+    calls = _plans.recent.get(key)
+    if calls:
+        for call in calls:  # the generated calls of the signatures met last with this rule
+            if call(objs):
+                return
     f = _facts.read_rows(objs)
     if f is None or f.device < 0:
         v = validate(objs, rule, names or _NAMES[rule])
@@ -35,7 +44,11 @@ def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
         _cpu.empty_rows(v, rule_offsets=rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         return
     plan = _plans.get(("empty_rows", rule, f.sig)) or _new_plan(f, rule, names)
-    plan(f, rule, names)
+    call = plan.call
+    if call is not None and not (calls and call in calls) and call(objs):
+        _plans.remember_call(key, call, calls)
+        return
+    plan.slow(f, rule, names)
 
 
 def _new_plan(f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> Plan:
@@ -90,49 +103,23 @@ class Plan:
         self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
         self.out_size = _dtypes.itemsize(o.dtype)
         self.stream = _device.torch_stream if f.torch else _device.cupy_stream
-        self.tensor_type = torch_tensor_type()
+        self.torch, self.out_dtype = f.torch, o.dtype
         self.grids: dict = {}  # (T, H, D) -> the grid of that size
+        self.call = _rows_call.generate(self, f.objs)
 
-    def __call__(self, f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> None:
-        if not self.check(f):
-            validate(f.objs, rule, names or _NAMES[rule])
+    def slow(self, f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> None:
+        """A call the generated one did not take: the full checks (raising with the caller's
+        names), then the launch."""
+        validate(f.objs, rule, names or _NAMES[rule])
         T, H, D = f.T, f.H, f.D
         if f.batch == 0 or T * H == 0:
             return
-        grid = self.grids.get((T, H, D))
-        if grid is None:
-            if len(self.grids) >= _GRID_CACHE_LIMIT:
-                self.grids.clear()
-            grid = self.grids[T, H, D] = _forms.empty_rows_grid(T, H, D, self.vec, self.dev)
+        grid = self.grids.get((T, H, D)) or self.grid(T, H, D)
         self.launcher.launch(grid, 1, self.stream(self.device), self.bind, f, self.consts)
 
-    def check(self, f: _facts.RowsFacts) -> bool:
-        """Shapes, unit strides of head_dim and the offsets, writable outputs apart from each
-        other and from the offsets; False: the full checks decide."""
-        T, H, D = f.T, f.H, f.D
-        n = f.cu_len
-        if f.neg or f.lse_shape != (T, H) or T >= INT32 or n < 1 or f.lens_len != n - 1 + self.lens_extra:
-            return False
-        if (D > 1 and f.out_in != 1) or (n > 1 and f.cu_st != 1) or (f.lens_len > 1 and f.lens_st != 1):
-            return False
-        objs, tt = f.objs, self.tensor_type
-        for o in objs[:2]:  # writable_cheap's torch case written out first
-            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
-                return False
-        st0, st1, sl0, sl1 = f.out_st, f.out_sh, f.lse_st, f.lse_sh
-        if not ((H <= 1 or st1 >= D) and (T <= 1 or st0 >= (H - 1) * st1 + D) or distinct(T, st0, H, st1, D)):
-            return False
-        if not ((H <= 1 or sl1 >= 1) and (T <= 1 or sl0 >= (H - 1) * sl1 + 1) or distinct(T, sl0, H, sl1, 1)):
-            return False
-        if not (T and H):
-            return True  # nothing to write
-        if not D:
-            return False
-        po, pl, pc, pn = f.out, f.lse, f.cu_q, f.lens
-        end_o = po + ((T - 1) * st0 + (H - 1) * st1 + D) * self.out_size  # layout.end, written out
-        end_l = pl + ((T - 1) * sl0 + (H - 1) * sl1 + 1) * 4
-        end_c, end_n = pc + n * self.q_size, pn + f.lens_len * self.lens_size
-        return (
-            apart(po, end_o, pl, end_l) and apart(po, end_o, pc, end_c) and apart(po, end_o, pn, end_n)
-            and apart(pl, end_l, pc, end_c) and apart(pl, end_l, pn, end_n)
-        )  # fmt: skip
+    def grid(self, T: int, H: int, D: int) -> int:
+        """The grid of a size met for the first time, kept."""
+        if len(self.grids) >= _GRID_CACHE_LIMIT:
+            self.grids.clear()
+        grid = self.grids[T, H, D] = _forms.empty_rows_grid(T, H, D, self.vec, self.dev)
+        return grid

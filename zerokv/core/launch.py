@@ -85,8 +85,12 @@ class Launcher:
         """Launch with the arguments packed by name: ``bind(buffer, *records)`` (a
         ``Kernel.binder``) fills the argument buffer; then ``cuLaunchKernel`` of it, in the
         device's context (the one launch body: the calls' hot path)."""
+        bind(_arena.buf, *records)
+        self.fire(grid, grid_y, stream)
+
+    def fire(self, grid: int, grid_y: int, stream: int) -> None:
+        """``cuLaunchKernel`` of the arguments packed in this thread's buffer."""
         a = _arena
-        bind(a.buf, *records)
         a.size.value = self.nbytes
         d = self.driver
         try:

@@ -21,8 +21,8 @@ from . import forms as _forms
 from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
-from .layout import INT32, apart, apart_all, distinct, end, extent, vec
-from .tensors import torch_tensor_type
+from . import two_call as _two_call
+from .layout import INT32, extent, vec
 
 _FORM_CACHE_LIMIT = 4096  # (T, H, D, layout) entries a plan remembers; past it, it starts again
 
@@ -74,18 +74,19 @@ class Plan:
         """The call's outputs, those it left as None allocated (the LSE only where the signature
         asks for it), their facts written into ``f``."""
         if out is None:
-            out = self.new(f, (T, H, D), False)
+            out = self.new(f.objs[0], (T, H, D), False)
             f.out, f.out_st, f.out_sh = out.data_ptr() if self.torch else ptr(out), H * D, D
         if out_lse is None and self.allocate_lse:
-            out_lse = self.new(f, (T, H), True)
+            out_lse = self.new(f.objs[0], (T, H), True)
             f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else ptr(out_lse), H, 1
         return out, out_lse
 
-    def new(self, f: Any, shape: tuple, lse: bool) -> Any:
-        """An output of the call's family on its device: the LSE (float32) or V (out dtype)."""
+    def new(self, like: Any, shape: tuple, lse: bool) -> Any:
+        """An output of the call's family on its device (``like``: its first tensor): the LSE
+        (float32) or V (out dtype)."""
         if self.torch:
             return self.empty(shape, dtype=self.t_f32 if lse else self.t_out, device=self.alloc_device)
-        return _outputs.new(f.objs[0], False, self.device, shape, "float32" if lse else self.out_dtype)
+        return _outputs.new(like, False, self.device, shape, "float32" if lse else self.out_dtype)
 
     def form_entry(self, key: tuple, H: int, D: int, build: Any) -> tuple:
         """The entry ``(form, launcher, binder, adapt)`` of ``key`` (T, then the other facts that
@@ -140,15 +141,27 @@ def two(
         lse_base, prefix_rows is None, suffix_verbatim, out is None if allocate_lse is None else allocate_lse,
         quant_group, scale_format, lse_ht is not None,
     )  # fmt: skip
+    try:
+        calls = _plans.recent.get(scalars)
+    except TypeError:  # an unhashable lse_base (an array): the full checks name it
+        _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, scalars[4:6])
+        raise
+    if calls:
+        for call in calls:  # the generated calls of the signatures met last with these scalars
+            r = call(objs, prefix_rows)
+            if r is not None:
+                return r
     f = _facts.read_two(objs, lse_ht is not None)
     if f is None or f.device < 0:
         return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
-    try:
-        plan = _plans.get((scalars, f.sig))
-    except TypeError:  # an unhashable lse_base (an array): the plan's build names it
-        plan = None
-    plan = plan or _new_plan(f, scalars, prefix_rows, names, lse_ht)
-    return plan(f, prefix_rows, names, scalars, lse_ht)
+    plan = _plans.get((scalars, f.sig)) or _new_plan(f, scalars, prefix_rows, names, lse_ht)
+    call = plan.call
+    if call is not None and not (calls and call in calls):
+        r = call(objs, prefix_rows)
+        if r is not None:  # this signature's call first next time
+            _plans.remember_call(scalars, call, calls)
+            return r
+    return plan.slow(f, prefix_rows, names, scalars, lse_ht)
 
 
 def _new_plan(f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: Any, lse_ht: Any) -> TwoPlan:
@@ -212,7 +225,6 @@ class TwoPlan(Plan):
         self._setup(v, v["va"].dtype, v["out"], f.sig[-2], f.torch)
         given = (v["cu"], v["mask"], v["scale"], v["sinks"], v["block_scale"])
         self.features = frozenset(n for n, x in zip(_FEATURES, given, strict=True) if x is not None)
-        self.options = tuple(n in self.features for n in ("a_empty", "row_mask", "sinks", "out_scale"))
         self.consts.suffix_verbatim = int(bool(scalars[2]))
         self.consts.a_is64 = int(v["cu"] is not None and v["cu"].dtype == "int64")
         self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
@@ -221,21 +233,22 @@ class TwoPlan(Plan):
         self.mask_size = 1
         self.allocate_lse = scalars[3]
         self.may_alias = self.in_dtype == self.out_dtype  # an exact alias of v_a / v_b
-        self.tensor_type = torch_tensor_type()
+        self.call = _two_call.generate(self, f.objs, lse_ht is not None, scalars[1])
 
-    def __call__(self, f: _facts.TwoFacts, prefix_rows: Any, names: dict | None, scalars: tuple, lse_ht: Any):
+    def slow(self, f: _facts.TwoFacts, prefix_rows: Any, names: dict | None, scalars: tuple, lse_ht: Any):
+        """A call the generated one did not take: the full checks (raising with the caller's
+        names), then the exact widths of any layout they accept, then the launch."""
+        _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6])
+        f.prefix_rows = f.T if prefix_rows is None else prefix_rows
+        f.rows = f.T * f.H
+        widest, s32 = _exact_two(f, self)
+        return self.finish(f, f.objs[4], f.objs[5], widest < INT32, s32)
+
+    def finish(self, f: _facts.TwoFacts, out: Any, out_lse: Any, fits: bool, s32: bool) -> tuple[Any, Any]:
+        """The checked call's outputs (those left None allocated), its form, pack, launch."""
         T, H, D = f.T, f.H, f.D
-        if prefix_rows is None:
-            f.prefix_rows = T
-        else:
-            f.prefix_rows = prefix_rows if type(prefix_rows) is int and 0 <= prefix_rows <= T else -1
-        if self.check(f):
-            widest, s32 = f.widest, f.strides_or < INT32
-        else:  # something the cheap check does not decide: the full checks do
-            _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6])
-            f.prefix_rows = T if prefix_rows is None else prefix_rows
-            widest, s32 = _exact_two(f, self)
-        out, out_lse = self.outputs(f, f.objs[4], f.objs[5], T, H, D)
+        if out is None or (out_lse is None and self.allocate_lse):
+            out, out_lse = self.outputs(f, out, out_lse, T, H, D)
         if T * H == 0:
             return out, out_lse
         pl = f.olse
@@ -243,9 +256,8 @@ class TwoPlan(Plan):
             inplace, tiles = pl == f.sa or pl == f.sb, f.ol_st == 1 and f.ol_sh != 1
         else:
             inplace, tiles = False, f.sa_st == 1 and f.sa_sh != 1
-        key = (T, H, D, inplace, widest < INT32, s32, tiles)
+        key = (T, H, D, inplace, fits, s32, tiles)
         form, launcher, bind, _ = self.forms.get(key) or self.form_entry(key, H, D, self._form)
-        f.rows = T * H
         grid, grid_y = _forms.launch_grid(form, T)
         launcher.launch(grid, grid_y, self.stream(self.device), bind, f, form, self.consts)
         return out, out_lse
@@ -257,112 +269,6 @@ class TwoPlan(Plan):
             bool(self.consts.a_is64), self.quant_group,
         )  # fmt: skip
         return _forms.merge_two(c, self.dev, self.ctypes), _facts.TwoFacts, None
-
-    def check(self, f: _facts.TwoFacts) -> bool:
-        """What may change between calls of this signature, without messages: shapes, unit
-        head_dim strides, prefix_rows, the options' lengths, writable outputs apart from the
-        inputs (or exactly one they may alias). False: the full checks decide."""
-        if not f.regular or f.prefix_rows < 0 or (self.features and not self.check_options(f)):
-            return False
-        objs, spans, tt, T, H = f.objs, f.spans, self.tensor_type, f.T, f.H
-        o = objs[4]
-        if o is not None:
-            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
-                return False  # writable_cheap's torch case written out first (the common output)
-            po, eo, st0, st1, D = f.out, f.out_end, f.out_st, f.out_sh, f.D
-            if not (
-                (H <= 1 or st1 >= D) and (T <= 1 or st0 >= (H - 1) * st1 + D) or distinct(T, st0, H, st1, D)
-            ):  # distinct's row-major case written out first
-                return False
-            for lo, hi in spans:  # apart_all, written out
-                if lo < eo and po < hi:
-                    if not self.alias_v(f, spans):
-                        return False
-                    break
-        o = objs[5]
-        if o is not None:
-            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
-                return False
-            pl, el, st0, st1 = f.olse, f.ol_end, f.ol_st, f.ol_sh
-            if not (
-                (H <= 1 or st1 >= 1) and (T <= 1 or st0 >= (H - 1) * st1 + 1) or distinct(T, st0, H, st1, 1)
-            ):
-                return False
-            for lo, hi in spans:
-                if lo < el and pl < hi:
-                    if not self.alias_s(f, spans):
-                        return False
-                    break
-            if objs[4] is not None and not apart(pl, el, po, eo):
-                return False
-        if f.bscale:  # the per-group fp8 scales: apart from every other tensor of the call
-            spans = spans + [(f.out, f.out_end)] if objs[4] is not None else list(spans)
-            if objs[5] is not None:
-                spans.append((f.olse, f.ol_end))
-            widest = block_scale_check(f, objs[11], self.quant_group, spans, f.widest)
-            if widest < 0:
-                return False
-            f.widest = widest
-        return True
-
-    def alias_v(self, f: _facts.TwoFacts, spans: list) -> bool:
-        """out shares bytes with an input only as exactly v_a or v_b (same pointer, strides and
-        dtype), and with nothing else."""
-        po, eo = f.out, f.out_end
-        exact = [
-            self.may_alias and po == p and (f.out_st, f.out_sh) == st
-            for p, st in ((f.va, (f.va_st, f.va_sh)), (f.vb, (f.vb_st, f.vb_sh)))
-        ]
-        return all(
-            exact[i] if i < 2 else False for i, (lo, hi) in enumerate(spans) if not apart(po, eo, lo, hi)
-        )
-
-    def alias_s(self, f: _facts.TwoFacts, spans: list) -> bool:
-        """out_lse shares bytes with an input only as exactly s_a or s_b."""
-        pl, el = f.olse, f.ol_end
-        st = (f.ol_st, f.ol_sh)
-        exact = {2: pl == f.sa and st == (f.sa_st, f.sa_sh), 3: pl == f.sb and st == (f.sb_st, f.sb_sh)}
-        return all(exact.get(i, False) for i, (lo, hi) in enumerate(spans) if not apart(pl, el, lo, hi))
-
-    def check_options(self, f: _facts.TwoFacts) -> bool:
-        """The option tensors: lengths, unit strides; their byte ranges join ``f.spans``."""
-        T, H, spans = f.T, f.H, f.spans
-        a_empty, row_mask, sinks, out_scale = self.options
-        if a_empty:
-            n = f.cu_len
-            if n < 1 or f.lens_len != n - 1 or (n > 1 and f.cu_st != 1) or (n > 2 and f.lens_st != 1):
-                return False
-            pc, pn, isz = f.a_cu, f.a_lens, self.idx_size
-            spans += ((pc, pc + n * isz), (pn, pn + (n - 1) * isz))
-        if row_mask:
-            if f.mask_len != T or (T > 1 and f.mask_st != 1):
-                return False
-            spans.append((f.row_mask, f.row_mask + T * self.mask_size))
-        if sinks:
-            if f.sinks_len != H or (H > 1 and f.sinks_st != 1):
-                return False
-            spans.append((f.sinks, f.sinks + 4 * H))
-        if out_scale:
-            if f.scale_len != 1:
-                return False
-            spans.append((f.out_scale, f.out_scale + 4))
-        return True
-
-
-def block_scale_check(f: Any, obj: Any, group: int, spans: list, widest: int) -> int:
-    """out_block_scale's cheap check: shape ``[T, H * D / group]``, writable, its elements
-    distinct, apart from every other tensor of the call (``spans``); -1 when it fails."""
-    T = f.T
-    if not group or f.D % group:
-        return -1
-    G = f.H * f.D // group
-    if f.bs_shape != (T, G) or not _facts.writable_cheap(obj) or not distinct(T, f.bs_st, G, f.bs_sg, 1):
-        return -1
-    pb = f.bscale
-    eb = end(pb, T, f.bs_st, G, f.bs_sg, 1, 4)
-    if not apart_all(pb, eb, spans):
-        return -1
-    return max(widest, (eb - pb) // 4)
 
 
 def ptr(x: Any) -> int:

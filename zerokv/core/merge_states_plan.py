@@ -10,23 +10,36 @@ from . import cpu_path as _cpu
 from . import facts as _facts
 from . import forms as _forms
 from . import merge_checks as _merge_checks
+from . import n_call as _n_call
 from . import plans as _plans
-from .layout import INT32, distinct
-from .merge_plans import Plan, block_scale_check, cpu_outputs, host_only, widest_span
-from .tensors import torch_tensor_type
+from .layout import INT32
+from .merge_plans import Plan, cpu_outputs, host_only, widest_span
 
 
 def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     """``objs``: (v, s, out, out_lse, out_scale, sinks[, out_block_scale]); ``scalars``:
     (lse_base, allocate_lse, (quant_group, scale_format))."""
+    try:
+        calls = _plans.recent.get(("n", scalars))
+    except TypeError:  # an unhashable lse_base (an array): the full checks name it
+        _merge_checks.n(objs, scalars[0], _quant(scalars))
+        raise
+    if calls:
+        for call in calls:  # the generated calls of the signatures met last with these scalars
+            r = call(objs)
+            if r is not None:
+                return r
     f = _facts.read_n(objs)
     if f is None or f.device < 0:
         return _cpu_n(objs, scalars)
-    try:
-        plan = _plans.get(("n", scalars, f.sig))
-    except TypeError:  # an unhashable lse_base (an array): the plan's build names it
-        plan = None
-    return (plan or _new_plan(f, scalars))(f, scalars)
+    plan = _plans.get(("n", scalars, f.sig)) or _new_plan(f, scalars)
+    call = plan.call
+    if call is not None and not (calls and call in calls):
+        r = call(objs)
+        if r is not None:
+            _plans.remember_call(("n", scalars), call, calls)
+            return r
+    return plan.slow(f, scalars)
 
 
 def _new_plan(f: _facts.NFacts, scalars: tuple) -> NPlan:
@@ -59,17 +72,15 @@ class NPlan(Plan):
         self.no_sinks = v["sinks"] is None
         self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
         self.scale, self.sinks = v["scale"] is not None, v["sinks"] is not None
-        self.tensor_type = torch_tensor_type()
         self.allocate_lse = scalars[1]
         self.consts.prefix_rows = 0
+        self.call = _n_call.generate(self, f.objs)
 
-    def __call__(self, f: _facts.NFacts, scalars: tuple) -> tuple[Any, Any]:
-        widest = self.check(f)
-        if widest < 0:
-            _merge_checks.n(f.objs, scalars[0], _quant(scalars))
-            widest, s32 = _exact_n(f, self)
-        else:
-            s32 = f.strides_or < INT32
+    def slow(self, f: _facts.NFacts, scalars: tuple) -> tuple[Any, Any]:
+        """A call the generated one did not take: the full checks (raising with the caller's
+        names), the exact widths of any layout they accept, then the launch."""
+        _merge_checks.n(f.objs, scalars[0], _quant(scalars))
+        widest, s32 = _exact_n(f, self)
         N, T, H, D = f.N, f.T, f.H, f.D
         out, out_lse = self.outputs(f, f.objs[2], f.objs[3], T, H, D)
         if T * H == 0:
@@ -105,66 +116,6 @@ class NPlan(Plan):
                 return form, _facts.TwoFacts, partial(_as_two, self.in_size)
         form = _forms.merge_states(N, T, H, D, self.vec, self.dev, (*self.ctypes, self.vec), self.group)
         return form, _facts.NFacts, None
-
-    def check(self, f: _facts.NFacts) -> int:
-        """As ``TwoPlan.check``; the outputs may not overlap the inputs at all (byte ends as
-        layout.end and the apart tests written out)."""
-        N, T, H, D = f.N, f.T, f.H, f.D
-        if f.neg or not (N and T and H and D) or N >= INT32 or T >= INT32 or H >= INT32:
-            return -1
-        if f.s_shape != (N, T, H) or (D > 1 and f.v_in != 1):
-            return -1
-        isz, pv, ps, T1, H1 = self.in_size, f.v, f.s, T - 1, H - 1
-        end_v = pv + ((N - 1) * f.v_sn + T1 * f.v_st + H1 * f.v_sh + D) * isz
-        end_s = ps + ((N - 1) * f.s_sn + T1 * f.s_st + H1 * f.s_sh + 1) * 4
-        spans = [(pv, end_v), (ps, end_s)]
-        widest = T * H * D
-        n = (end_v - pv) // isz
-        widest = n if n > widest else widest
-        n = (end_s - ps) >> 2
-        widest = n if n > widest else widest
-        if self.sinks:
-            if f.sinks_len != H or (H > 1 and f.sinks_st != 1):
-                return -1
-            spans.append((f.sinks, f.sinks + 4 * H))
-        if self.scale:
-            if f.scale_len != 1:
-                return -1
-            spans.append((f.out_scale, f.out_scale + 4))
-        objs, tt = f.objs, self.tensor_type
-        if f.out_shape is not None:
-            po, o, st0, st1 = f.out, objs[2], f.out_st, f.out_sh
-            if f.out_shape != (T, H, D) or (D > 1 and f.out_in != 1):
-                return -1
-            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
-                return -1
-            if not ((H <= 1 or st1 >= D) and (T <= 1 or st0 >= H1 * st1 + D) or distinct(T, st0, H, st1, D)):
-                return -1
-            end_o = po + (T1 * st0 + H1 * st1 + D) * self.out_size
-            for lo, hi in spans:
-                if lo < end_o and po < hi:
-                    return -1
-            spans.append((po, end_o))
-            n = (end_o - po) // self.out_size
-            widest = n if n > widest else widest
-        if f.ol_shape is not None:
-            pl, o, st0, st1 = f.olse, objs[3], f.ol_st, f.ol_sh
-            if f.ol_shape != (T, H):
-                return -1
-            if (type(o) is not tt or o.requires_grad or o.is_inference()) and not _facts.writable_cheap(o):
-                return -1
-            if not ((H <= 1 or st1 >= 1) and (T <= 1 or st0 >= H1 * st1 + 1) or distinct(T, st0, H, st1, 1)):
-                return -1
-            end_l = pl + (T1 * st0 + H1 * st1 + 1) * 4
-            for lo, hi in spans:
-                if lo < end_l and pl < hi:
-                    return -1
-            n = (end_l - pl) >> 2
-            widest = n if n > widest else widest
-            spans.append((pl, end_l))
-        if f.bscale:
-            widest = block_scale_check(f, objs[6], self.group, spans, widest)
-        return widest
 
 
 def _as_two(isz: int, f: _facts.NFacts) -> _facts.TwoFacts:

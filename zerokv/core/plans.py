@@ -41,6 +41,18 @@ def lookup(key: Any, build: Callable[[], Any]) -> Any:
 
 get = _plans.get  # the plan stored under a key, or None: the calls' one lookup
 
+# scalar arguments -> the generated calls (two_call) of the signatures met last with them,
+# latest first: a call tries these before it reads its signature
+recent: dict[Any, tuple] = {}
+RECENT = 8
+
+
+def remember_call(key: Any, call: Any, calls: tuple | None) -> None:
+    """``call`` first among the recent calls of ``key``."""
+    if len(recent) >= LIMIT:
+        recent.clear()
+    recent[key] = (call, *calls[: RECENT - 1]) if calls else (call,)
+
 
 def remember(key: Any, plan: Any) -> None:
     """Store ``plan`` under ``key``; past LIMIT entries the table starts again."""
@@ -62,4 +74,5 @@ def clear_cache() -> None:
     """Forget every plan, then every loaded function (the disk cache stays)."""
     with _lock:
         _plans.clear()
+        recent.clear()
     _compiler.clear_functions()

@@ -1,0 +1,160 @@
+"""The generated call of a signature (zerokv.core.two_call, n_call, rows_call): a later call of a
+known signature takes it (no full validation, no facts record), and it launches exactly what
+the validated path launches for the same arguments. No GPU needed: host tensors are routed
+down the GPU path with the launchers replaced by recorders (test_launch_paths)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_launch_paths import _states, recorded  # noqa: F401 - the fixture
+
+import zerokv
+from zerokv.compat import sglang, vllm
+from zerokv.core import empty_rows_plan, facts, merge_checks, n_call, rows_call, two_call
+
+H, D = 4, 64
+BF = torch.bfloat16
+
+
+def _calls(T: int) -> list:
+    """One call of each two-way and empty-rows signature family, on fresh tensors of T tokens."""
+    v_a, s_a, v_b, s_b = _states(T, H, D, seed=T)
+    out, out_lse = torch.empty(T, H, D, dtype=BF), torch.empty(T, H)
+    cu32 = torch.tensor([0, 3, T // 2, T], dtype=torch.int32)
+    kv32 = torch.tensor([0, 5, 0], dtype=torch.int32)
+    cu64, kv64 = cu32.long(), kv32.long()
+    ckv = torch.tensor([0, 0, 4, 4], dtype=torch.int32)
+    sinks, scale = torch.randn(H), torch.tensor([0.25])
+    out8 = torch.empty(T, H, D, dtype=torch.float8_e4m3fn)
+    bscale = torch.empty(T, H * D // 32)
+    mask = torch.rand(T) > 0.5
+    odd = torch.empty(T * H * D + 1, dtype=BF)[1:].view(T, H, D)
+    v_a2, s_a2 = v_a.clone(), s_a.clone()
+    lse_ht = torch.randn(H, T).T
+    v3, s3 = torch.randn(3, T, H, D).to(BF), torch.randn(3, T, H)
+    v2, s2 = v3[:2], s3[:2]
+    return [
+        ("plain", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse)),
+        ("no out_lse", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out)),
+        ("allocated", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b)),
+        ("prefix_rows", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, prefix_rows=T // 2)),
+        ("a_empty int32", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, a_empty=(cu32, kv32))),
+        ("a_empty int64", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, a_empty=(cu64, kv64))),
+        ("sinks", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse, sinks=sinks)),
+        ("out_scale", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out8, out_scale=scale)),
+        (
+            "per-group fp8",
+            lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out8, out_block_scale=bscale, quant_group=32),
+        ),
+        ("row_mask", lambda: zerokv.merge.merge_two(v_a, s_a, v_b, s_b, out, row_mask=mask)),
+        ("in place", lambda: zerokv.merge_state(v_a2, s_a2, v_b, s_b, out=v_a2, out_lse=s_a2)),
+        ("unaligned", lambda: zerokv.merge_state(odd, s_a, v_b, s_b, out=out)),
+        ("vllm [H, T]", lambda: vllm.merge_attn_states(out, v_a, s_a.T, v_b, s_b.T, out_lse.T)),
+        ("sglang", lambda: sglang.merge_state_v2(v_a, s_a, v_b, s_b)),
+        ("torch.ops", lambda: torch.ops.zerokv.merge_state_out(v_a, s_a, v_b, s_b, out, out_lse)),
+        ("merge_states N = 2", lambda: zerokv.merge_states(v2, s2, out=out, out_lse=out_lse)),
+        ("merge_states N = 3", lambda: zerokv.merge_states(v3, s3, out=out, out_lse=out_lse)),
+        ("merge_states allocated", lambda: zerokv.merge_states(v3, s3)),
+        ("merge_states sinks", lambda: zerokv.merge_states(v3, s3, out=out, sinks=sinks)),
+        ("merge_states out_scale", lambda: zerokv.merge_states(v2, s2, out=out8, out_scale=scale)),
+        (
+            "merge_states per-group fp8",
+            lambda: zerokv.merge_states(v2, s2, out=out8, out_block_scale=bscale, quant_group=32),
+        ),
+        ("merge_states torch.ops", lambda: torch.ops.zerokv.merge_states_out(v3, s3, out, out_lse)),
+        ("fixup", lambda: zerokv.fixup_zero_kv_rows(out, out_lse, kv32, cu32)),
+        ("fixup int64", lambda: zerokv.fixup_zero_kv_rows(out, lse_ht, kv64, cu64)),
+        ("mask_empty_context", lambda: zerokv.mask_empty_context(out, out_lse, cu32, ckv)),
+    ]
+
+
+@pytest.fixture
+def counted(recorded, monkeypatch):  # noqa: F811 - the imported fixture
+    """The recorder's log and a count of full validations and facts records, per op."""
+    seen = {"validate": 0, "facts": 0}
+
+    def count(fn, what):
+        def counted_fn(*a, **k):
+            seen[what] += 1
+            return fn(*a, **k)
+
+        return counted_fn
+
+    monkeypatch.setattr(merge_checks, "two", count(merge_checks.two, "validate"))
+    monkeypatch.setattr(merge_checks, "n", count(merge_checks.n, "validate"))
+    monkeypatch.setattr(empty_rows_plan, "validate", count(empty_rows_plan.validate, "validate"))
+    for name in ("read_two", "read_n", "read_rows"):
+        monkeypatch.setattr(facts, name, count(getattr(facts, name), "facts"))
+    return recorded, seen
+
+
+def test_a_later_call_of_a_signature_takes_its_generated_call(counted):
+    """Every family's second call (a new T, new tensors) launches without the full validation
+    or a facts record."""
+    log, seen = counted
+    first, later = _calls(48), _calls(61)
+    for (name, call), (_, again) in zip(first, later, strict=True):
+        call()
+        seen["validate"] = seen["facts"] = 0
+        launched = len(log)
+        again()
+        assert seen == {"validate": 0, "facts": 0}, name
+        assert len(log) == launched + 1, name
+        seen["validate"] = seen["facts"] = 0
+
+
+def test_generated_calls_launch_what_the_validated_path_launches(recorded, monkeypatch):  # noqa: F811
+    """The same calls with every signature's generated call and without any (each call fully
+    validated, its facts packed by the kernels' binders): the same kernels, grids and
+    arguments by name, for a first T and a later one of another form."""
+    series = [c for T in (48, 61, 3000) for c in _calls(T)]
+    for _, call in series:
+        call()
+    generated = list(recorded)
+    recorded.clear()
+    from zerokv.core import plans
+
+    plans.clear_cache()
+    monkeypatch.setattr(two_call, "generate", lambda *a, **k: None)
+    monkeypatch.setattr(rows_call, "generate", lambda *a, **k: None)
+    monkeypatch.setattr(n_call, "generate", lambda *a, **k: None)
+    for _, call in series:
+        call()
+    assert len(recorded) == len(generated) == len(series)
+    for (name, _), got, want in zip(series, generated, recorded, strict=True):
+        if name in (
+            "allocated",
+            "sglang",
+            "merge_states allocated",
+        ):  # outputs allocated per call: their pointers differ
+            got, want = (
+                r[:3] + ({k: v for k, v in r[3].items() if k not in ("out", "olse")},) for r in (got, want)
+            )
+        assert got == want, name
+
+
+def test_a_generated_call_of_another_signature_is_not_taken(counted):
+    """Signatures met one after another (a new dtype, an option more, another producer):
+    each call finds its own plan; a generated call never launches another signature's call."""
+    log, _ = counted
+    T = 40
+    v_a, s_a, v_b, s_b = _states(T, H, D)
+    f16 = [x.half() if x.dtype == BF else x for x in (v_a, s_a, v_b, s_b)]
+    for _ in range(2):
+        zerokv.merge_state(v_a, s_a, v_b, s_b, out=torch.empty(T, H, D, dtype=BF))
+        assert log[-1][1][:2] == ("zk_bfloat16", "zk_bfloat16")
+        zerokv.merge_state(*f16, out=torch.empty(T, H, D, dtype=torch.float16))
+        assert log[-1][1][:2] == ("zk_half", "zk_half")
+        zerokv.merge_state(*f16, out=torch.empty(T, H, D))
+        assert log[-1][1][:2] == ("zk_half", "float")
+
+
+def test_the_generated_source_is_kept_for_a_reader(counted):
+    log, _ = counted
+    v_a, s_a, v_b, s_b = _states(16, H, D)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=torch.empty(16, H, D, dtype=BF))
+    from zerokv.core import plans
+
+    (call,) = next(iter(plans.recent.values()))
+    assert call.source.startswith("def call(objs, prefix_rows):") and "PACK" in call.source

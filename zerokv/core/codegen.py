@@ -1,0 +1,174 @@
+"""The pieces every generated call is made of (:mod:`two_call`, :mod:`rows_call`).
+
+A plan's call is generated once per signature as one straight-line function over locals:
+the checks written for that signature's tensors only cost a third of the same rules
+interpreted per call (bench/NOTES.md). Each piece appends lines to the function's source;
+``build`` compiles it. A generated call returns None for anything it does not take: the op
+then finds the plan of the call's signature or runs its full validation, whose messages name
+the arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import launch as _launch
+from .facts import _numel
+from .forms import launch_grid
+from .generic_tensors import _Generic, generic, writable_cheap
+from .layout import INT32, VECTOR_BYTES, distinct
+from .tensors import torch_tensor_type
+
+UNREADABLE = (AttributeError, TypeError, ValueError, RuntimeError)  # an argument not as the signature's
+
+
+class Source:
+    """A generated function's lines and the names its code uses (``scope``)."""
+
+    def __init__(self, plan: Any, objs: tuple) -> None:
+        self.lines: list[str] = []
+        self.torch = plan.torch
+        self.scope: dict[str, Any] = {
+            "TT": torch_tensor_type(), "GEN": _Generic, "generic": generic, "writable_cheap": writable_cheap,
+            "distinct": distinct, "numel": _numel, "P": plan, "INT32": INT32, "UNREADABLE": UNREADABLE,
+            "ARENA": _launch._arena, "STREAM": plan.stream, "DEVICE": plan.device, "ptr": _ptr,
+            "launch_grid": launch_grid, "FORMS": getattr(plan, "forms", None),
+        }  # fmt: skip
+        # the signature's dtypes and devices as the objects report them (a test that reads host
+        # tensors as device 0 keeps the host's -1 here)
+        for i, x in enumerate(objs):
+            if x is not None:
+                t = generic(x)
+                self.scope[f"DT{i}"], self.scope[f"DV{i}"] = t.dtype, t.get_device()
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+
+    def signature(self, names: tuple[str, ...], given: list[bool]) -> None:
+        """The call's objects unpacked; the signature's absent ones None, the given ones of its
+        producer (torch tensors, or another producer's read as ``generic``), dtypes, devices."""
+        add = self.add
+        add(f"        {', '.join(names)} = objs")
+        # which are given first: a call of another signature with the same scalars fails here
+        presence = [f"{nm} is {'' if g else 'not '}None" for nm, g in zip(names, given, strict=True)]
+        add(f"        if {' or '.join(presence)}:")
+        add("            return None")
+        present = [(nm, i) for i, (nm, g) in enumerate(zip(names, given, strict=True)) if g]
+        if not self.torch:
+            for nm, _ in present:
+                add(f"        {nm} = generic({nm})")
+        kind, ne = ("TT", "is not") if self.torch else ("GEN", "!=")
+        conds = [
+            f"type({nm}) is not {kind} or {nm}.dtype {ne} DT{i} or {nm}.get_device() != DV{i}"
+            for nm, i in present
+        ]
+        add("        if (" + "\n            or ".join(conds) + "):")
+        add("            return None")
+
+    def writable(self, nm: str) -> None:
+        """``checks.writable``'s cheap half (``writable_cheap``), its common case first."""
+        if self.torch:
+            self.add(f"        if ({nm}.requires_grad or {nm}.is_inference()) and not writable_cheap({nm}):")
+        else:
+            self.add(f"        if not writable_cheap({nm}.obj):")
+        self.add("            return None")
+
+    def distinct(self, s0: str, s1: str, inner: str) -> None:
+        """A ``[T, H, inner]`` output gives each element its own address (``layout.distinct``,
+        its row-major case first)."""
+        self.add(f"        if not ((H1 == 0 or {s1} >= {inner}) and (T1 == 0 or {s0} >= H1 * {s1} + {inner})")
+        self.add(f"                or distinct(T, {s0}, H, {s1}, {inner})):")
+        self.add("            return None")
+
+    def aligned(self, aligned: bool, terms: list[str]) -> None:
+        """The signature's alignment: an aligned plan takes aligned calls only, an unaligned one
+        the others (the facts readers' rule: pointers of 16 bytes, strides of whole packs)."""
+        self.add(f"        if {'' if aligned else 'not '}({' or '.join(terms)}):")
+        self.add("            return None")
+
+    def apart(self, lo: str, hi: str, lo2: str, hi2: str, unless: str = "") -> None:
+        """Two byte ranges share no byte (``layout.apart``), or ``unless`` holds."""
+        self.add(f"        if {lo} < {hi2} and {lo2} < {hi}{f' and not ({unless})' if unless else ''}:")
+        self.add("            return None")
+
+    def outputs(self, plan: Any, out_index: int, given: list) -> bool:
+        """``out`` and ``out_lse`` (objects ``out_index`` and the next): the caller's, or those
+        the signature leaves None allocated (the LSE where it asks for one) with their locals
+        ``po, o0, o1`` / ``pl, l0, l1``; True when the call writes an LSE."""
+        add, ptr = self.add, ("{}.data_ptr()" if plan.torch else "ptr({})")
+        if given[out_index]:
+            add(f"    out = objs[{out_index}]")
+        else:
+            add("    out = P.new(objs[0], (T, H, D), False)")
+            add(f"    po, o0, o1 = {ptr.format('out')}, H * D, D")
+        if given[out_index + 1] or not plan.allocate_lse:
+            add(f"    out_lse = objs[{out_index + 1}]")
+            return given[out_index + 1]
+        add("    out_lse = P.new(objs[0], (T, H), True)")
+        add(f"    pl, l0, l1 = {ptr.format('out_lse')}, H, 1")
+        return True
+
+    def launch(self) -> None:
+        """The form's grid for T and the launch of the packed arguments on the caller's stream."""
+        self.add("    grid, grid_y = launch_grid(form, T)")
+        self.add("    launcher.fire(grid, grid_y, STREAM(DEVICE))")
+        self.add("    return out, out_lse")
+
+    def block_scale(self, group: int, spans: list) -> None:
+        """out_block_scale (per-group fp8 scales): ``[T, H * D / group]``, non-negative strides,
+        writable, its elements distinct, apart from every other tensor of the call (``spans``);
+        ``xbs``: its span in elements."""
+        add = self.add
+        add("        pbs = bscale.data_ptr(); bs0, bs1 = bscale.stride()")
+        add(f"        G = H * D // {group}")
+        add(f"        if (D % {group} or bscale.shape != (T, G) or bs0 < 0 or bs1 < 0")
+        add("                or not distinct(T, bs0, G, bs1, 1)):")
+        add("            return None")
+        self.writable("bscale")
+        add("        xbs = T1 * bs0 + (G - 1) * bs1 + 1; ebs = pbs + 4 * xbs")
+        for lo, hi in spans:
+            self.apart("pbs", "ebs", lo, hi)
+
+    def pack(
+        self, kernels: tuple, values: dict[str, str], consts: Any, per_kernel: dict | None = None
+    ) -> None:
+        """Every parameter of the launch's kernel (``kernel``, among ``kernels``) packed by name
+        into this thread's launch buffer: a call's local (``per_kernel[kernel]``, then
+        ``values``), the plan's constant, or the form's field (``form.name``)."""
+        c = {n: repr(getattr(consts, n)) for n in getattr(consts, "__slots__", ()) if hasattr(consts, n)}
+        indent = "    "
+        for i, k in enumerate(kernels):
+            self.scope[f"K{i}"], self.scope[f"PACK{i}"] = k, k.packer.pack_into
+            own = {**values, **(per_kernel or {}).get(k, {})}
+            args = [own.get(n) or c.get(n) or f"form.{n}" for n, _ in k.params]
+            if len(kernels) > 1:
+                self.add(f"{indent}{'if' if i == 0 else 'elif'} kernel is K{i}:")
+                self.add(f"{indent}    PACK{i}(ARENA.buf, 0, {', '.join(args)})")
+            else:
+                self.add(f"{indent}PACK{i}(ARENA.buf, 0, {', '.join(args)})")
+        if len(kernels) > 1:
+            self.add(f"{indent}else:")
+            self.add(f"{indent}    raise RuntimeError(f'zerokv: no packer for {{kernel.name}}')")
+
+    def build(self, title: str) -> Any:
+        code = "\n".join(self.lines)
+        scope = dict(self.scope)
+        exec(compile(code, f"<{title}>", "exec"), scope)
+        fn = scope["call"]
+        fn.source = code  # what a signature runs, for a reader
+        return fn
+
+
+def mixed(plan: Any, objs: tuple) -> bool:
+    """A signature of torch tensors beside another producer's (its validation rejects it on a
+    GPU): no generated call."""
+    return not plan.torch and any(type(generic(x)) is not _Generic for x in objs if x is not None)
+
+
+def pack_width(itemsize: int) -> int:
+    """Elements per 16-byte pack, whether the plan packs or not (the alignment rule's width)."""
+    return VECTOR_BYTES // itemsize
+
+
+def _ptr(x: Any) -> int:
+    return generic(x).data_ptr()

@@ -1,0 +1,134 @@
+"""A merge_states plan's call, generated once per signature (:mod:`codegen`).
+
+``call(objs)`` (v, s, out, out_lse, out_scale, sinks[, out_block_scale]) reads each tensor
+once into locals, checks the plan's signature, then the cheap check of what may change
+between its calls: shapes, unit head_dim strides, the options' lengths, writable outputs
+whose elements are distinct and which share no byte with any other tensor of the call. Then
+the outputs left None, the form, the pack by name (two states on a two-way form: states 0
+and 1 as its a and b) and the launch. None: not a call it takes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import kernels as _kernels
+from .codegen import Source, mixed, pack_width
+from .two_call import KERNELS as TWO_WAY
+
+# merge_states_kernel's parameters (facts.NFacts' names) -> the generated call's locals
+_LOCALS = {
+    "v": "pv", "v_sn": "v0", "v_st": "v1", "v_sh": "v2", "s": "ps", "s_sn": "s0", "s_st": "s1", "s_sh": "s2",
+    "out": "po", "out_st": "o0", "out_sh": "o1", "olse": "pl", "ol_st": "l0", "ol_sh": "l1",
+    "N": "N", "T": "T", "H": "H", "D": "D", "sinks": "pk", "out_scale": "pq",
+    "bscale": "pbs", "bs_st": "bs0", "bs_sg": "bs1",
+}  # fmt: skip
+_NAMES = ("v", "s", "out", "out_lse", "scale", "sinks", "bscale")
+
+
+def _as_two(isz: int) -> dict[str, str]:
+    """A two-way form's parameters for states 0 and 1 (``merge_states_plan._as_two``)."""
+    return {
+        "va": "pv", "va_st": "v1", "va_sh": "v2", "vb": f"pv + v0 * {isz}", "vb_st": "v1", "vb_sh": "v2",
+        "sa": "ps", "sa_st": "s1", "sa_sh": "s2", "sb": "ps + s0 * 4", "sb_st": "s1", "sb_sh": "s2",
+        "rows": "T * H", "prefix_rows": "T", "a_cu": "0", "a_lens": "0", "a_batch": "0", "row_mask": "0",
+    }  # fmt: skip
+
+
+def generate(plan: Any, objs: tuple) -> Any:
+    """The call of ``plan`` (an ``NPlan``) for calls like ``objs``, the signature's first
+    (fully validated); None for a signature that mixes producers."""
+    if mixed(plan, objs):
+        return None
+    given = [x is not None for x in objs] + [False] * (len(_NAMES) - len(objs))
+    src = Source(plan, objs)
+    add, isz, osz = src.add, plan.in_size, plan.out_size
+    w = pack_width(isz)
+    add("def call(objs):")
+    add("    try:")
+    src.signature(_NAMES[: len(objs)], given[: len(objs)])
+    add("        pv = v.data_ptr(); N, T, H, D = v.shape; v0, v1, v2, v3 = v.stride()")
+    add("        ps = s.data_ptr(); s0, s1, s2 = s.stride()")
+    add(
+        "        if not (0 < N < INT32 and 0 < T < INT32 and 0 < H < INT32 and D > 0 and s.shape == (N, T, H)"
+    )
+    add("                and (D == 1 or v3 == 1)):")
+    add("            return None")
+    add("        T1, H1 = T - 1, H - 1")
+    add("        xv = (N - 1) * v0 + T1 * v1 + H1 * v2 + D; xs = (N - 1) * s0 + T1 * s1 + H1 * s2 + 1")
+    add(f"        ev, es = pv + xv * {isz}, ps + 4 * xs")
+    aligned = [f"pv % {w * isz}", f"(v0 | v1 | v2 | D) % {w}"]
+    st_or, neg, widest = ["v1", "v2", "s1", "s2"], ["v0", "v3", "s0"], ["T * H * D", "xv", "xs"]
+    spans = [("pv", "ev"), ("ps", "es")]
+    if given[5]:
+        add("        pk = sinks.data_ptr(); (nk,) = sinks.shape; ks = sinks.stride()[0] if nk else 1")
+        add("        if nk != H or (H > 1 and ks != 1):")
+        add("            return None")
+        add("        ek = pk + 4 * H")
+        neg.append("ks")
+        spans.append(("pk", "ek"))
+    if given[4]:
+        add("        pq = scale.data_ptr()")
+        add("        if numel(scale.shape) != 1:")
+        add("            return None")
+        add("        eq = pq + 4")
+        spans.append(("pq", "eq"))
+    if given[2]:  # out: apart from every input (no alias in an N-way merge)
+        add("        po = out.data_ptr(); o0, o1, o2 = out.stride()")
+        add("        if out.shape != (T, H, D) or (D > 1 and o2 != 1):")
+        add("            return None")
+        src.writable("out")
+        src.distinct("o0", "o1", "D")
+        add(f"        xo = T1 * o0 + H1 * o1 + D; eo = po + xo * {osz}")
+        for lo, hi in spans:
+            src.apart("po", "eo", lo, hi)
+        spans.append(("po", "eo"))
+        aligned += [f"po % {w * osz}", f"(o0 | o1) % {w}"]
+        st_or += ["o0", "o1"]
+        neg.append("o2")
+        widest.append("xo")
+    if given[3]:
+        add("        pl = out_lse.data_ptr(); l0, l1 = out_lse.stride()")
+        add("        if out_lse.shape != (T, H):")
+        add("            return None")
+        src.writable("out_lse")
+        src.distinct("l0", "l1", "1")
+        add("        xl = T1 * l0 + H1 * l1 + 1; el = pl + 4 * xl")
+        for lo, hi in spans:
+            src.apart("pl", "el", lo, hi)
+        spans.append(("pl", "el"))
+        st_or += ["l0", "l1"]
+        widest.append("xl")
+    src.aligned(plan.vec > 1, aligned)
+    add(f"        st_or = {' | '.join(st_or)}")
+    add(f"        if (st_or | {' | '.join(neg)}) < 0:")
+    add("            return None")
+    if given[6]:
+        src.block_scale(plan.group, spans)
+        widest.append("xbs")
+    add(f"        widest = max({', '.join(widest)})")
+    add("    except UNREADABLE:")
+    add("        return None")
+    _launch(src, plan, given)
+    return src.build(f"N-way merge call {plan.in_dtype}->{plan.out_dtype}")
+
+
+def _launch(src: Source, plan: Any, given: list) -> None:
+    """Outputs left None allocated, the form (``NPlan.__call__``'s key), the pack by name of
+    the form's kernel (N states, or states 0 and 1 on a two-way form), the launch."""
+    add = src.add
+    lse_out = src.outputs(plan, 2, given)
+    tiles = "l0 == 1 and l1 != 1" if lse_out else "s1 == 1 and s2 != 1"
+    add(f"    key = (T, N, H, D, widest < INT32, st_or < INT32, {tiles})")
+    add("    form, launcher, _, _ = FORMS.get(key) or P.form_entry(key, H, D, P._form)")
+    add("    kernel = form.kernel")
+    values = dict(_LOCALS)
+    if not lse_out:
+        values.update(olse="0", ol_st="0", ol_sh="0")
+    for i, params in ((5, ("sinks",)), (4, ("out_scale",)), (6, ("bscale", "bs_st", "bs_sg"))):
+        if not given[i]:
+            values.update(dict.fromkeys(params, "0"))
+    src.pack(
+        (_kernels.MERGE_STATES, *TWO_WAY), values, plan.consts, dict.fromkeys(TWO_WAY, _as_two(plan.in_size))
+    )
+    src.launch()
