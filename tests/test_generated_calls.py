@@ -33,9 +33,13 @@ def _calls(T: int) -> list:
     v_a2, s_a2 = v_a.clone(), s_a.clone()
     lse_ht = torch.randn(H, T).T
     v3, s3 = torch.randn(3, T, H, D).to(BF), torch.randn(3, T, H)
+    f32 = (v_a.float(), s_a, v_b.float(), s_b)  # the plain call's pattern with other sizes
+    out32, v3f = torch.empty(T, H, D), v3.float()
     v2, s2 = v3[:2], s3[:2]
     return [
         ("plain", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse)),
+        ("float32", lambda: zerokv.merge_state(*f32, out=out32, out_lse=out_lse)),
+        ("float32 merge_states", lambda: zerokv.merge_states(v3f, s3, out=out32, out_lse=out_lse)),
         ("no out_lse", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out)),
         ("allocated", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b)),
         ("prefix_rows", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, prefix_rows=T // 2)),

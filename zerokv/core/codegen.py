@@ -19,27 +19,66 @@ from .generic_tensors import _Generic, generic, writable_cheap
 from .layout import INT32, VECTOR_BYTES, distinct
 from .tensors import torch_tensor_type
 
+_compiled: dict[tuple, tuple] = {}  # pattern -> (code object, static names, source text)
+_COMPILED_LIMIT = 256
 UNREADABLE = (AttributeError, TypeError, ValueError, RuntimeError)  # an argument not as the signature's
 
 
-class Source:
-    """A generated function's lines and the names its code uses (``scope``)."""
+def function(pattern: tuple, plan: Any, objs: tuple, write: Any, title: str) -> Any:
+    """The generated call of ``plan`` for calls like ``objs``: ``write(source)`` writes its
+    lines, once per ``pattern`` (what the text depends on: which tensors are given, layout
+    flags); the signature's values (dtypes, devices, sizes, constants) are names of its scope,
+    so a new signature of a known pattern costs a dict and an ``exec``, not a compile."""
+    done = _compiled.get(pattern)
+    if done is None:
+        src = Source(plan.torch)
+        write(src)
+        text = "\n".join(src.lines)
+        if len(_compiled) >= _COMPILED_LIMIT:
+            _compiled.clear()
+        done = _compiled[pattern] = (compile(text, f"<{title}>", "exec"), src.static, text)
+    code, static, text = done
+    scope = _scope(plan, objs)
+    scope.update(static)
+    exec(code, scope)
+    fn = scope["call"]
+    fn.source = text  # what a signature runs, for a reader
+    return fn
 
-    def __init__(self, plan: Any, objs: tuple) -> None:
+
+def _scope(plan: Any, objs: tuple) -> dict[str, Any]:
+    """The names a generated call reads that depend on its signature."""
+    size = getattr(plan, "in_size", None) or plan.out_size
+    scope = {
+        "TT": torch_tensor_type(), "GEN": _Generic, "generic": generic, "writable_cheap": writable_cheap,
+        "distinct": distinct, "numel": _numel, "P": plan, "INT32": INT32, "UNREADABLE": UNREADABLE,
+        "ARENA": _launch._arena, "STREAM": plan.stream, "DEVICE": plan.device, "ptr": _ptr,
+        "launch_grid": launch_grid, "FORMS": getattr(plan, "forms", None), "GRIDS": getattr(plan, "grids", None),
+        "ISZ": size, "OSZ": plan.out_size, "W": pack_width(size),
+        "IDX": getattr(plan, "idx_size", 0), "MASK": getattr(plan, "mask_size", 0),
+        "GROUP": getattr(plan, "quant_group", 0) or getattr(plan, "group", 0),
+        "LENS_EXTRA": getattr(plan, "lens_extra", 0), "QSZ": getattr(plan, "q_size", 0),
+        "LSZ": getattr(plan, "lens_size", 0),
+    }  # fmt: skip
+    consts = plan.consts
+    scope.update({f"C_{n}": getattr(consts, n) for n in consts.__slots__ if hasattr(consts, n)})
+    # the signature's dtypes and devices as the objects report them (a test that reads host
+    # tensors as device 0 keeps the host's -1 here)
+    for i, x in enumerate(objs):
+        if x is not None:
+            t = generic(x)
+            scope[f"DT{i}"], scope[f"DV{i}"] = t.dtype, t.get_device()
+    return scope
+
+
+class Source:
+    """A generated function's lines and the names of its scope that every signature shares
+    (``static``: the kernels and their packers)."""
+
+    def __init__(self, torch: bool) -> None:
         self.lines: list[str] = []
-        self.torch = plan.torch
-        self.scope: dict[str, Any] = {
-            "TT": torch_tensor_type(), "GEN": _Generic, "generic": generic, "writable_cheap": writable_cheap,
-            "distinct": distinct, "numel": _numel, "P": plan, "INT32": INT32, "UNREADABLE": UNREADABLE,
-            "ARENA": _launch._arena, "STREAM": plan.stream, "DEVICE": plan.device, "ptr": _ptr,
-            "launch_grid": launch_grid, "FORMS": getattr(plan, "forms", None),
-        }  # fmt: skip
-        # the signature's dtypes and devices as the objects report them (a test that reads host
-        # tensors as device 0 keeps the host's -1 here)
-        for i, x in enumerate(objs):
-            if x is not None:
-                t = generic(x)
-                self.scope[f"DT{i}"], self.scope[f"DV{i}"] = t.dtype, t.get_device()
+        self.torch = torch
+        self.static: dict[str, Any] = {}
 
     def add(self, line: str) -> None:
         self.lines.append(line)
@@ -114,14 +153,14 @@ class Source:
         self.add("    launcher.fire(grid, grid_y, STREAM(DEVICE))")
         self.add("    return out, out_lse")
 
-    def block_scale(self, group: int, spans: list) -> None:
+    def block_scale(self, spans: list) -> None:
         """out_block_scale (per-group fp8 scales): ``[T, H * D / group]``, non-negative strides,
         writable, its elements distinct, apart from every other tensor of the call (``spans``);
         ``xbs``: its span in elements."""
         add = self.add
         add("        pbs = bscale.data_ptr(); bs0, bs1 = bscale.stride()")
-        add(f"        G = H * D // {group}")
-        add(f"        if (D % {group} or bscale.shape != (T, G) or bs0 < 0 or bs1 < 0")
+        add("        G = H * D // GROUP")
+        add("        if (D % GROUP or bscale.shape != (T, G) or bs0 < 0 or bs1 < 0")
         add("                or not distinct(T, bs0, G, bs1, 1)):")
         add("            return None")
         self.writable("bscale")
@@ -135,10 +174,10 @@ class Source:
         """Every parameter of the launch's kernel (``kernel``, among ``kernels``) packed by name
         into this thread's launch buffer: a call's local (``per_kernel[kernel]``, then
         ``values``), the plan's constant, or the form's field (``form.name``)."""
-        c = {n: repr(getattr(consts, n)) for n in getattr(consts, "__slots__", ()) if hasattr(consts, n)}
+        c = {n: f"C_{n}" for n in getattr(consts, "__slots__", ()) if hasattr(consts, n)}
         indent = "    "
         for i, k in enumerate(kernels):
-            self.scope[f"K{i}"], self.scope[f"PACK{i}"] = k, k.packer.pack_into
+            self.static[f"K{i}"], self.static[f"PACK{i}"] = k, k.packer.pack_into
             own = {**values, **(per_kernel or {}).get(k, {})}
             args = [own.get(n) or c.get(n) or f"form.{n}" for n, _ in k.params]
             if len(kernels) > 1:
@@ -150,13 +189,10 @@ class Source:
             self.add(f"{indent}else:")
             self.add(f"{indent}    raise RuntimeError(f'zerokv: no packer for {{kernel.name}}')")
 
-    def build(self, title: str) -> Any:
-        code = "\n".join(self.lines)
-        scope = dict(self.scope)
-        exec(compile(code, f"<{title}>", "exec"), scope)
-        fn = scope["call"]
-        fn.source = code  # what a signature runs, for a reader
-        return fn
+
+def forget_sources() -> None:
+    """Forget every compiled source (the next signature of each pattern compiles its own)."""
+    _compiled.clear()
 
 
 def mixed(plan: Any, objs: tuple) -> bool:

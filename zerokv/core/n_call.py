@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import kernels as _kernels
-from .codegen import Source, mixed, pack_width
+from .codegen import Source, function, mixed
 from .two_call import KERNELS as TWO_WAY
 
 # merge_states_kernel's parameters (facts.NFacts' names) -> the generated call's locals
@@ -26,10 +26,10 @@ _LOCALS = {
 _NAMES = ("v", "s", "out", "out_lse", "scale", "sinks", "bscale")
 
 
-def _as_two(isz: int) -> dict[str, str]:
+def _as_two() -> dict[str, str]:
     """A two-way form's parameters for states 0 and 1 (``merge_states_plan._as_two``)."""
     return {
-        "va": "pv", "va_st": "v1", "va_sh": "v2", "vb": f"pv + v0 * {isz}", "vb_st": "v1", "vb_sh": "v2",
+        "va": "pv", "va_st": "v1", "va_sh": "v2", "vb": "pv + v0 * ISZ", "vb_st": "v1", "vb_sh": "v2",
         "sa": "ps", "sa_st": "s1", "sa_sh": "s2", "sb": "ps + s0 * 4", "sb_st": "s1", "sb_sh": "s2",
         "rows": "T * H", "prefix_rows": "T", "a_cu": "0", "a_lens": "0", "a_batch": "0", "row_mask": "0",
     }  # fmt: skip
@@ -41,12 +41,17 @@ def generate(plan: Any, objs: tuple) -> Any:
     if mixed(plan, objs):
         return None
     given = [x is not None for x in objs] + [False] * (len(_NAMES) - len(objs))
-    src = Source(plan, objs)
-    add, isz, osz = src.add, plan.in_size, plan.out_size
-    w = pack_width(isz)
+    pattern = ("n", tuple(given), len(objs), plan.vec > 1, plan.torch, plan.allocate_lse)  # the text's
+    title = f"N-way merge call {plan.in_dtype}->{plan.out_dtype}"
+    return function(pattern, plan, objs, lambda s: _write(s, plan, given, len(objs)), title)
+
+
+def _write(src: Source, plan: Any, given: list, n_objs: int) -> None:
+    """The call's source (the same for every signature of its pattern)."""
+    add = src.add
     add("def call(objs):")
     add("    try:")
-    src.signature(_NAMES[: len(objs)], given[: len(objs)])
+    src.signature(_NAMES[:n_objs], given[:n_objs])
     add("        pv = v.data_ptr(); N, T, H, D = v.shape; v0, v1, v2, v3 = v.stride()")
     add("        ps = s.data_ptr(); s0, s1, s2 = s.stride()")
     add(
@@ -56,8 +61,8 @@ def generate(plan: Any, objs: tuple) -> Any:
     add("            return None")
     add("        T1, H1 = T - 1, H - 1")
     add("        xv = (N - 1) * v0 + T1 * v1 + H1 * v2 + D; xs = (N - 1) * s0 + T1 * s1 + H1 * s2 + 1")
-    add(f"        ev, es = pv + xv * {isz}, ps + 4 * xs")
-    aligned = [f"pv % {w * isz}", f"(v0 | v1 | v2 | D) % {w}"]
+    add("        ev, es = pv + xv * ISZ, ps + 4 * xs")
+    aligned = ["pv % 16", "(v0 | v1 | v2 | D) % W"]
     st_or, neg, widest = ["v1", "v2", "s1", "s2"], ["v0", "v3", "s0"], ["T * H * D", "xv", "xs"]
     spans = [("pv", "ev"), ("ps", "es")]
     if given[5]:
@@ -79,11 +84,11 @@ def generate(plan: Any, objs: tuple) -> Any:
         add("            return None")
         src.writable("out")
         src.distinct("o0", "o1", "D")
-        add(f"        xo = T1 * o0 + H1 * o1 + D; eo = po + xo * {osz}")
+        add("        xo = T1 * o0 + H1 * o1 + D; eo = po + xo * OSZ")
         for lo, hi in spans:
             src.apart("po", "eo", lo, hi)
         spans.append(("po", "eo"))
-        aligned += [f"po % {w * osz}", f"(o0 | o1) % {w}"]
+        aligned += ["po % (W * OSZ)", "(o0 | o1) % W"]
         st_or += ["o0", "o1"]
         neg.append("o2")
         widest.append("xo")
@@ -104,13 +109,12 @@ def generate(plan: Any, objs: tuple) -> Any:
     add(f"        if (st_or | {' | '.join(neg)}) < 0:")
     add("            return None")
     if given[6]:
-        src.block_scale(plan.group, spans)
+        src.block_scale(spans)
         widest.append("xbs")
     add(f"        widest = max({', '.join(widest)})")
     add("    except UNREADABLE:")
     add("        return None")
     _launch(src, plan, given)
-    return src.build(f"N-way merge call {plan.in_dtype}->{plan.out_dtype}")
 
 
 def _launch(src: Source, plan: Any, given: list) -> None:
@@ -128,7 +132,5 @@ def _launch(src: Source, plan: Any, given: list) -> None:
     for i, params in ((5, ("sinks",)), (4, ("out_scale",)), (6, ("bscale", "bs_st", "bs_sg"))):
         if not given[i]:
             values.update(dict.fromkeys(params, "0"))
-    src.pack(
-        (_kernels.MERGE_STATES, *TWO_WAY), values, plan.consts, dict.fromkeys(TWO_WAY, _as_two(plan.in_size))
-    )
+    src.pack((_kernels.MERGE_STATES, *TWO_WAY), values, plan.consts, dict.fromkeys(TWO_WAY, _as_two()))
     src.launch()

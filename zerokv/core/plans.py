@@ -70,9 +70,14 @@ def launcher(kernel: Any, targs: tuple, device: int) -> _launch.Launcher:
     )
 
 
-def clear_cache() -> None:
-    """Forget every plan, then every loaded function (the disk cache stays)."""
+def clear_plans() -> None:
+    """Forget every plan and generated call (the loaded functions stay)."""
     with _lock:
         _plans.clear()
         recent.clear()
+
+
+def clear_cache() -> None:
+    """Forget every plan, then every loaded function (the disk cache stays)."""
+    clear_plans()
     _compiler.clear_functions()

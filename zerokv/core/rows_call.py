@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import kernels as _kernels
-from .codegen import Source, mixed, pack_width
+from .codegen import Source, function, mixed
 
 _LOCALS = {
     "out": "po", "out_st": "o0", "out_sh": "o1", "lse": "pl", "lse_st": "l0", "lse_sh": "l1",
@@ -26,8 +26,13 @@ def generate(plan: Any, objs: tuple) -> Any:
     signature's first (fully validated); None for a signature that mixes producers."""
     if mixed(plan, objs):
         return None
-    src = Source(plan, objs)
-    src.scope.update(GRIDS=plan.grids)
+
+    pattern = ("rows", plan.vec > 1, plan.torch)  # what the source text depends on
+    return function(pattern, plan, objs, lambda s: _write(s, plan), f"empty-rows call {plan.out_dtype}")
+
+
+def _write(src: Source, plan: Any) -> None:
+    """The call's source (the same for every signature of its pattern)."""
     add = src.add
     add("def call(objs):")
     add("    try:")
@@ -36,13 +41,10 @@ def generate(plan: Any, objs: tuple) -> Any:
     add("        pl = lse.data_ptr(); l0, l1 = lse.stride()")
     add("        pc = cu.data_ptr(); (nc,) = cu.shape; cs = cu.stride()[0] if nc else 1")
     add("        pn = lens.data_ptr(); (nl,) = lens.shape; ns = lens.stride()[0] if nl else 1")
-    w = pack_width(plan.out_size)
-    src.aligned(plan.vec > 1, [f"po % {w * plan.out_size}", f"(o0 | o1 | D) % {w}"])
+    src.aligned(plan.vec > 1, ["po % 16", "(o0 | o1 | D) % W"])
     add("        if (o0 | o1 | o2 | l0 | l1 | cs | ns) < 0 or lse.shape != (T, H) or T >= INT32:")
     add("            return None")
-    add(
-        f"        if (nc < 1 or nl != nc - 1 + {plan.lens_extra} or (D > 1 and o2 != 1) or (nc > 1 and cs != 1)"
-    )
+    add("        if (nc < 1 or nl != nc - 1 + LENS_EXTRA or (D > 1 and o2 != 1) or (nc > 1 and cs != 1)")
     add("                or (nl > 1 and ns != 1)):")
     add("            return None")
     src.writable("out")
@@ -54,8 +56,8 @@ def generate(plan: Any, objs: tuple) -> Any:
     add("            return True  # nothing to write")
     add("        if not D:")
     add("            return None")
-    add(f"        eo = po + (T1 * o0 + H1 * o1 + D) * {plan.out_size}; el = pl + (T1 * l0 + H1 * l1 + 1) * 4")
-    add(f"        ec, en = pc + nc * {plan.q_size}, pn + nl * {plan.lens_size}")
+    add("        eo = po + (T1 * o0 + H1 * o1 + D) * OSZ; el = pl + (T1 * l0 + H1 * l1 + 1) * 4")
+    add("        ec, en = pc + nc * QSZ, pn + nl * LSZ")
     for a, b in (("po", "eo"), ("pl", "el")):
         for c, d in (("pl", "el"), ("pc", "ec"), ("pn", "en")):
             if a != c:
@@ -68,4 +70,3 @@ def generate(plan: Any, objs: tuple) -> Any:
     src.pack((_kernels.EMPTY_ROWS,), _LOCALS, plan.consts)
     add("    P.launcher.fire(grid, 1, STREAM(DEVICE))")
     add("    return True")
-    return src.build(f"empty-rows call {plan.out_dtype}")

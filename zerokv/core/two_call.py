@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import kernels as _kernels
-from .codegen import Source, mixed, pack_width
+from .codegen import Source, function, mixed
 
 # the kernels of the two-way forms (forms.merge_two), the most common first
 KERNELS = (
@@ -41,10 +41,20 @@ def generate(plan: Any, objs: tuple, lse_ht: bool, prefix_none: bool) -> Any:
     if mixed(plan, objs):
         return None
     given = [x is not None for x in objs] + [False] * (len(_NAMES) - len(objs))
-    src = Source(plan, objs)
+    # what the source text depends on; the rest are names of its scope
+    pattern = ("two", tuple(given), len(objs), lse_ht, prefix_none, plan.vec > 1, plan.may_alias)
+    pattern += (plan.torch, plan.allocate_lse)
+    title = f"two-way merge call {plan.in_dtype}->{plan.out_dtype}"
+    return function(
+        pattern, plan, objs, lambda s: _write(s, plan, given, len(objs), lse_ht, prefix_none), title
+    )
+
+
+def _write(src: Source, plan: Any, given: list, n_objs: int, lse_ht: bool, prefix_none: bool) -> None:
+    """The call's source (the same for every signature of its pattern)."""
     src.add("def call(objs, prefix_rows):")
     src.add("    try:")
-    src.signature(_NAMES[: len(objs)], given[: len(objs)])
+    src.signature(_NAMES[:n_objs], given[:n_objs])
     spans, st_or, widest = _inputs(src, plan, lse_ht, given)
     if prefix_none:
         src.add("        pr = T")
@@ -81,20 +91,18 @@ def generate(plan: Any, objs: tuple, lse_ht: bool, prefix_none: bool) -> Any:
             )
         outs.append(("pl", "el"))
     if given[11]:
-        src.block_scale(plan.quant_group, [(lo, hi) for lo, hi, _ in spans] + outs)
+        src.block_scale([(lo, hi) for lo, hi, _ in spans] + outs)
         widest.append("xbs")
     src.add(f"        widest = max({', '.join(widest)})")
     src.add("    except UNREADABLE:")
     src.add("        return None")
     _launch(src, plan, given)
-    return src.build(f"two-way merge call {plan.in_dtype}->{plan.out_dtype}")
 
 
 def _inputs(src: Source, plan: Any, ht: bool, given: list) -> tuple[list, list, list]:
     """The states' and given outputs' reads, shapes, unit head_dim strides and alignment;
     ``(spans (lo, hi, tag) of the inputs, stride names, element spans)``."""
-    add, isz, osz = src.add, plan.in_size, plan.out_size
-    w = pack_width(isz)
+    add = src.add
     add("        pa = v_a.data_ptr(); sh = v_a.shape; T, H, D = sh; a0, a1, a2 = v_a.stride()")
     add("        pb = v_b.data_ptr(); b0, b1, b2 = v_b.stride()")
     for nm, x in (("s_a", "sa"), ("s_b", "sb")):  # an [H, T] LSE read as its [T, H] transpose
@@ -103,19 +111,19 @@ def _inputs(src: Source, plan: Any, ht: bool, given: list) -> tuple[list, list, 
     add("        T1, H1 = T - 1, H - 1")
     add("        xa, xb = T1 * a0 + H1 * a1 + D, T1 * b0 + H1 * b1 + D")
     add("        xsa, xsb = T1 * sa0 + H1 * sa1 + 1, T1 * sb0 + H1 * sb1 + 1")
-    add(f"        ea, eb, esa, esb = pa + xa * {isz}, pb + xb * {isz}, psa + 4 * xsa, psb + 4 * xsb")
+    add("        ea, eb, esa, esb = pa + xa * ISZ, pb + xb * ISZ, psa + 4 * xsa, psb + 4 * xsb")
     shapes, inner = ["v_b.shape == sh", "s_a.shape == th", "s_b.shape == th"], ["a2 == 1", "b2 == 1"]
     st_or = ["a0", "a1", "b0", "b1", "sa0", "sa1", "sb0", "sb1"]
     widest = ["T * H * D", "xa", "xb", "xsa", "xsb"]
-    aligned = [f"(pa | pb) % {w * isz}", f"(a0 | a1 | b0 | b1 | D) % {w}"]
+    aligned = ["(pa | pb) % 16", "(a0 | a1 | b0 | b1 | D) % W"]
     if given[4]:
         add("        po = out.data_ptr(); o0, o1, o2 = out.stride()")
-        add(f"        xo = T1 * o0 + H1 * o1 + D; eo = po + xo * {osz}")
+        add("        xo = T1 * o0 + H1 * o1 + D; eo = po + xo * OSZ")
         shapes.append("out.shape == sh")
         inner.append("o2 == 1")
         st_or += ["o0", "o1"]
         widest.append("xo")
-        aligned += [f"po % {w * osz}", f"(o0 | o1) % {w}"]
+        aligned += ["po % (W * OSZ)", "(o0 | o1) % W"]
     if given[5]:
         add(f"        pl = out_lse.data_ptr(); {'l1, l0' if ht else 'l0, l1'} = out_lse.stride()")
         add("        xl = T1 * l0 + H1 * l1 + 1; el = pl + 4 * xl")
@@ -138,14 +146,14 @@ def _options(src: Source, plan: Any, given: list, st_or: list) -> list:
         add("        pn = lens.data_ptr(); (nl,) = lens.shape; ls = lens.stride()[0] if nl else 1")
         add("        if nc < 1 or nl != nc - 1 or (nc > 1 and cs != 1) or (nc > 2 and ls != 1):")
         add("            return None")
-        add(f"        ec, en = pc + nc * {plan.idx_size}, pn + nl * {plan.idx_size}")
+        add("        ec, en = pc + nc * IDX, pn + nl * IDX")
         st_or += ["cs", "ls"]
         spans += [("pc", "ec", None), ("pn", "en", None)]
     if given[8]:  # row_mask [T]
         add("        pm = mask.data_ptr(); (nm,) = mask.shape; ms = mask.stride()[0] if nm else 1")
         add("        if nm != T or (T > 1 and ms != 1):")
         add("            return None")
-        add(f"        em = pm + T * {plan.mask_size}")
+        add("        em = pm + T * MASK")
         st_or.append("ms")
         spans.append(("pm", "em", None))
     if given[9]:  # out_scale: one float32
