@@ -1,8 +1,9 @@
 """Merging partial attention states by their log-sum-exp: two-way and N-way.
 
 The signatures and their documentation; every call takes one path through the core
-(:mod:`zerokv.core.merge_plans`): read the arguments into facts, find the plan of the call's
-signature, its cheap check, pack by name, launch (host tensors: the float64 reference).
+(:mod:`zerokv.core.merge_plans`): the generated call of the call's signature reads the
+arguments, checks them cheaply, packs by name and launches (host tensors: the float64
+reference).
 """
 
 from __future__ import annotations

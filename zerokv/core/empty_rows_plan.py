@@ -1,4 +1,5 @@
-"""The empty-row ops' one path: facts, the plan of the signature, its cheap check, launch.
+"""The empty-row ops' one path: the signature's generated call (:mod:`zerokv.core.rows_call`),
+else the facts, the plan of the signature and the full validation; launch.
 
 Both rules (``kernels.RULE_*``) share empty_rows_kernel; the rule and the offsets' widths are
 template arguments, so they are part of the signature.

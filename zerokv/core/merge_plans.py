@@ -1,10 +1,12 @@
-"""The merges' one path: read the call into facts, find the plan of its signature, the plan's
-cheap check of what may change between calls, the form, pack by name, launch.
+"""The two-way merge's one path: the generated call of the call's signature
+(:mod:`zerokv.core.two_call`: read, cheap check, form, pack by name, launch), found among the
+recent ones of the call's scalar arguments, else through the facts and the plan of its
+signature.
 
 A plan is built (and the call fully validated, :mod:`zerokv.core.merge_checks`) on the first
-call of a signature; a cheap check that fails runs the full validation again, which raises
-with the caller's argument names or lets a valid call through its exact rules. Host tensors
-take the CPU path after the same validation.
+call of a signature; a call its generated call does not take runs the full validation, which
+raises with the caller's argument names or lets a valid call through its exact rules. Host
+tensors take the CPU path after the same validation.
 """
 
 from __future__ import annotations
