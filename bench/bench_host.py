@@ -198,34 +198,33 @@ def launch_floor(b: Bench) -> Callable[..., None]:
     H, D = _hd(b)
     (pm, ps), (hm, hs) = kernels.fast_divisor(D // 8), kernels.fast_divisor(H)
 
-    def floor(v_a, s_a, v_b, s_b, out=None, out_lse=None):
-        pa, (T, H, D), (a0, a1, _), _, da = (
-            v_a.data_ptr(),
-            v_a.shape,
-            v_a.stride(),
-            v_a.dtype,
-            v_a.get_device(),
-        )
-        pb, _, (b0, b1, _), _, _ = v_b.data_ptr(), v_b.shape, v_b.stride(), v_b.dtype, v_b.get_device()
-        psa, _, (sa0, sa1), _, _ = s_a.data_ptr(), s_a.shape, s_a.stride(), s_a.dtype, s_a.get_device()
-        psb, _, (sb0, sb1), _, _ = s_b.data_ptr(), s_b.shape, s_b.stride(), s_b.dtype, s_b.get_device()
-        po, _, (o0, o1, _), _, _ = out.data_ptr(), out.shape, out.stride(), out.dtype, out.get_device()
-        pl, _, (l0, l1), _, _ = (
-            out_lse.data_ptr(),
-            out_lse.shape,
-            out_lse.stride(),
-            out_lse.dtype,
-            out_lse.get_device(),
-        )
-        rows, packs = T * H, D >> 3
-        pack_into(
-            buf, 0, pa, pb, psa, psb, po, pl, rows, H, packs, pm, ps, hm, hs, sa0, sa1, sb0, sb1,
-            a0, a1, b0, b1, o0, o1, l0, l1, T, 0, 1.4426950408889634, 0.6931471805599453,
-            0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-        )  # fmt: skip
-        size.value = nbytes  # the arena is shared with zerokv's launches of other sizes
-        cu_launch(handle, -(-rows * packs // 128), 1, 1, 128, 1, 1, 0, stream_of(da), 0, extra)
-
+    # the flat kernel's parameters by name: the reads below, the form's divisors, the constants
+    values = {
+        "va": "pa", "vb": "pb", "sa": "psa", "sb": "psb", "out": "po", "olse": "pl", "rows": "rows",
+        "H": "H", "packs": "packs", "packs_mul": "pm", "packs_shr": "ps", "H_mul": "hm", "H_shr": "hs",
+        "sa_st": "sa0", "sa_sh": "sa1", "sb_st": "sb0", "sb_sh": "sb1", "va_st": "a0", "va_sh": "a1",
+        "vb_st": "b0", "vb_sh": "b1", "out_st": "o0", "out_sh": "o1", "ol_st": "l0", "ol_sh": "l1",
+        "prefix_rows": "T", "k": "1.4426950408889634", "inv_k": "0.6931471805599453",
+    }  # fmt: skip
+    args = ", ".join(values.get(n, "0") for n, _ in k.params)
+    src = f"""def floor(v_a, s_a, v_b, s_b, out=None, out_lse=None):
+    pa, (T, H, D), (a0, a1, _), _, da = v_a.data_ptr(), v_a.shape, v_a.stride(), v_a.dtype, v_a.get_device()
+    pb, _, (b0, b1, _), _, _ = v_b.data_ptr(), v_b.shape, v_b.stride(), v_b.dtype, v_b.get_device()
+    psa, _, (sa0, sa1), _, _ = s_a.data_ptr(), s_a.shape, s_a.stride(), s_a.dtype, s_a.get_device()
+    psb, _, (sb0, sb1), _, _ = s_b.data_ptr(), s_b.shape, s_b.stride(), s_b.dtype, s_b.get_device()
+    po, _, (o0, o1, _), _, _ = out.data_ptr(), out.shape, out.stride(), out.dtype, out.get_device()
+    pl, _, (l0, l1), _, _ = out_lse.data_ptr(), out_lse.shape, out_lse.stride(), out_lse.dtype, out_lse.get_device()
+    rows, packs = T * H, D >> 3
+    pack_into(buf, 0, {args})
+    size.value = nbytes  # the arena is shared with zerokv's launches of other sizes
+    cu_launch(handle, -(-rows * packs // 128), 1, 1, 128, 1, 1, 0, stream_of(da), 0, extra)
+"""
+    scope = {
+        "pack_into": pack_into, "buf": buf, "size": size, "nbytes": nbytes, "cu_launch": cu_launch,
+        "handle": handle, "stream_of": stream_of, "extra": extra, "pm": pm, "ps": ps, "hm": hm, "hs": hs,
+    }  # fmt: skip
+    exec(compile(src, "<floor>", "exec"), scope)  # packed by name, as zerokv's generated calls
+    floor = scope["floor"]
     return floor
 
 
