@@ -5,8 +5,9 @@ Each step of the path timed alone on the same tensors (µs, median of interleave
     PYTHONPATH=. python3 -m bench.profile_call [--cpu]
 
 lookup (the generated calls of the call's scalars), the signature's generated call (read,
-cheap check, form, pack, launch), the whole public call, a new T, the facts record and plan
-lookup that a call of another signature pays, and the launch alone (``cuLaunchKernel``). ``--cpu``: CPU tensors routed down the GPU path with the launch left
+cheap check, form, pack, launch) and the same without its launch, the whole public call, a
+new T, the facts record and plan lookup that a call of another signature pays, the tensor
+attribute reads alone, and the launch alone (``cuLaunchKernel``). ``--cpu``: CPU tensors routed down the GPU path with the launch left
 out (the Python steps only; no GPU needed).
 """
 
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         "... a new T (all)": _new_t(zerokv.merge_state, dev),
         "... its slicing alone": _new_t(lambda *a, **k: None, dev),
         "facts + plan (a miss)": lambda: plans.get((scalars, facts.read_two(objs).sig)),
+        "30 attribute reads": lambda: _reads(objs[:6]),
     }
     if not args.cpu:
         form, launcher, _, _ = next(iter(call.__globals__["FORMS"].values()))
@@ -62,11 +64,25 @@ def main(argv: list[str] | None = None) -> int:
             got[k].append(timeit.timeit(fn, number=n) / n * 1e6)
         if not args.cpu:
             torch.cuda.synchronize()
+    launch = type(next(iter(call.__globals__["FORMS"].values()))[1])
+    fire, launch.fire = launch.fire, lambda self, grid, grid_y, stream: None
+    try:  # the generated call with its launch left out: reads, checks, form, pack
+        got["generated call, no launch"] = [
+            timeit.timeit(lambda: call(objs, None), number=n) / n * 1e6 for _ in range(7)
+        ]
+    finally:
+        launch.fire = fire
     mul = statistics.median(got["torch.mul(out=)"])
     for k, v in got.items():
         us = statistics.median(v)
-        print(f"{k:20s} {us:7.2f} µs  {us / mul:5.2f} x torch.mul")
+        print(f"{k:26s} {us:7.2f} µs  {us / mul:5.2f} x torch.mul")
     return 0
+
+
+def _reads(tensors: tuple) -> None:
+    """What any Python launch reads of six tensors: pointer, shape, strides, dtype, device."""
+    for t in tensors:
+        t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()
 
 
 def _new_t(fn, dev: str):
