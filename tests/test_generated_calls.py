@@ -162,3 +162,69 @@ def test_the_generated_source_is_kept_for_a_reader(counted):
 
     (call,) = next(iter(plans.recent.values()))
     assert call.source.startswith("def call(objs, prefix_rows):") and "PACK" in call.source
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_a_generated_call_takes_no_call_the_full_validation_rejects(counted, seed):
+    """Random layouts in shared buffers (padded strides, transposed LSEs), the six tensors placed
+    in a random order one after another in their buffer, one of them over the last element (V:
+    pack) of the one before (an overlap of inputs, or of an output), or exactly state a (in
+    place): whatever the signature's generated call takes, the full validation
+    accepts, and it launches what the validated path launches for the same call."""
+    import random
+
+    from zerokv.core import plans
+
+    log, _ = counted
+    rng = random.Random(seed)
+    T, H, D = rng.randint(1, 24), rng.randint(1, 6), rng.choice((8, 16, 64))
+    vbuf, sbuf = torch.randn(8 * T * H * (D + 8) + 64).to(BF), torch.randn(8 * T * (H + 4) + 64)
+    ends: dict[str, list[int]] = {"v": [0], "s": [0]}  # where each buffer's tensors end
+
+    def place(name, kind, shape, strides, span):
+        unit = 8 if kind == "v" else 1  # V stays on 16 bytes: the aligned signature's calls
+        gap = -unit if name == short and len(ends[kind]) > 1 else rng.choice((0, 0, unit, 8 * unit))
+        start = max(ends[kind]) + gap  # after the buffer's last tensor, or over its last element
+        ends[kind].append(start + span)
+        return (vbuf if kind == "v" else sbuf).as_strided(shape, strides, start)
+
+    def v(name):
+        pad = rng.choice((0, 0, 8))
+        st = (H * (D + pad), D + pad, 1)
+        return place(name, "v", (T, H, D), st, (T - 1) * st[0] + (H - 1) * st[1] + D)
+
+    def s(name):
+        pad = rng.choice((0, 0, 4))
+        st = (1, T + pad) if rng.random() < 0.3 else (H + pad, 1)  # an [H, T] buffer's transpose
+        return place(name, "s", (T, H), st, (T - 1) * st[0] + (H - 1) * st[1] + 1)
+
+    order = ["v_a", "s_a", "v_b", "s_b", "out", "out_lse"]
+    rng.shuffle(order)  # outputs placed before or after the inputs they may touch
+    short = rng.choice(order)  # the one tensor that starts on its predecessor's last element
+    t = {n: s(n) if n.startswith("s") or n == "out_lse" else v(n) for n in order}
+    v_a, s_a, v_b, s_b, out, out_lse = (t[n] for n in ("v_a", "s_a", "v_b", "s_b", "out", "out_lse"))
+    if rng.random() < 0.15:  # in place: out and out_lse exactly state a's
+        out, out_lse = v_a, s_a
+    zerokv.merge_state(
+        *_states(T, H, D, seed=seed), out=torch.empty(T, H, D, dtype=BF), out_lse=torch.empty(T, H)
+    )
+    scalars = ("e", True, False, False, None, "float32", False)
+    objs = (v_a, s_a, v_b, s_b, out, out_lse, None, None, None, None, None)
+    taken = any(call(objs, None) is not None for call in plans.recent.get(scalars, ()))
+    try:
+        merge_checks.two(objs, "e", None, None)
+        valid = True
+    except ValueError:
+        valid = False
+    SEEN.append((taken, valid))
+    assert valid or not taken, "the generated call took a call the full validation rejects"
+    if taken:
+        generated = log[-1]
+        plans.clear_cache()
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(two_call, "generate", lambda *a, **k: None)
+            zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse)
+        assert log[-1] == generated
+
+
+SEEN: list[tuple[bool, bool]] = []  # (taken, valid) of each layout: the mix this test covers
