@@ -1,9 +1,9 @@
-"""The readers' straight-line arithmetic against the one home of each fact (core/layout.py).
+"""The readers' facts against the tensors and the one home of alignment (core/layout.py).
 
-``facts.read_two`` / ``read_n`` / ``read_rows`` write the byte ends, the widest span and the
-vector alignment out instead of calling ``layout`` (the per-call path); here random strided
-layouts, offsets and LSE orientations are read and every derived fact is compared with what
-``layout.end`` / ``layout.extent`` / ``layout.aligned`` give for the same tensor.
+``facts.read_two`` / ``read_n`` / ``read_rows`` read a signature's first call and the calls its
+generated call does not take: random strided layouts, offsets and LSE orientations are read and
+each pointer and stride, and the signature's alignment, compared with the tensors and
+``layout.aligned``. (The generated calls' byte ends: tests/test_generated_calls.py.)
 """
 
 from __future__ import annotations
@@ -36,18 +36,8 @@ def _lse(rng, T, H, ht, pad, offset):
     return base.as_strided((T, H), (H + pad, 1), offset)
 
 
-def _end(t, lse_ht=False):
-    """``layout.end`` of a tensor (an [H, T] LSE read as its transpose)."""
-    if t.dim() == 2:
-        st = t.stride()[::-1] if lse_ht else t.stride()
-        n = t.shape[::-1] if lse_ht else t.shape
-        return _layout.end(t.data_ptr(), n[0], st[0], n[1], st[1], 1, 4)
-    T, H, D = t.shape
-    return _layout.end(t.data_ptr(), T, t.stride(0), H, t.stride(1), D, t.element_size())
-
-
 @pytest.mark.parametrize("seed", range(40))
-def test_read_two_ends_widest_and_alignment_are_the_layout_functions(seed):
+def test_read_two_reads_each_tensor_and_its_alignment_is_layout_aligned(seed):
     rng = random.Random(seed)
     T, H, D = rng.randint(1, 40), rng.randint(1, 9), rng.choice((8, 16, 64, 128))
     dtype, ht = rng.choice(DTYPES), rng.random() < 0.3
@@ -62,17 +52,16 @@ def test_read_two_ends_widest_and_alignment_are_the_layout_functions(seed):
 
     va, vb, out, sa, sb, ol = v(), v(), v(), s(), s(), s()
     f = _facts.read_two((va, sa, vb, sb, out, ol, None, None, None, None, None), ht)
-    assert f.regular
-    ins = [va, vb, sa, sb]
-    want_spans = [(t.data_ptr(), _end(t, ht and t.dim() == 2)) for t in ins]
-    assert f.spans == want_spans
-    assert (f.out_end, f.ol_end) == (_end(out), _end(ol, ht))
-    spans = [_layout.extent(t.data_ptr(), t.shape, t.stride(), t.element_size()) for t in (*ins, out, ol)]
-    widest = max(
-        T * H * D,
-        *((hi - lo) // t.element_size() for (lo, hi), t in zip(spans, (*ins, out, ol), strict=True)),
-    )
-    assert f.widest == widest
+    for name, t in (("va", va), ("vb", vb), ("out", out)):
+        assert (getattr(f, name), getattr(f, f"{name}_st"), getattr(f, f"{name}_sh")) == (
+            t.data_ptr(),
+            *t.stride()[:2],
+        )
+    for name, t in (("sa", sa), ("sb", sb), ("ol", ol)):
+        st = t.stride()[::-1] if ht else t.stride()
+        ptr = getattr(f, "olse" if name == "ol" else name)
+        assert (ptr, getattr(f, f"{name}_st"), getattr(f, f"{name}_sh")) == (t.data_ptr(), *st)
+    assert (f.T, f.H, f.D) == (T, H, D)
     w = _layout.vec(va.element_size())
     aligned = all(
         _layout.aligned(
@@ -96,9 +85,9 @@ def test_read_n_and_read_rows_alignment_is_layout_aligned(seed):
     w = _layout.vec(v.element_size())
     st = v.stride()
     assert f.sig[-2] == _layout.aligned(v.data_ptr(), v.element_size(), w, st[0] | st[1] | st[2] | D)
-    assert not f.neg and f.strides_or == st[1] | st[2] | s.stride(1) | s.stride(2)
+    assert (f.v, f.v_sn, f.v_st, f.v_sh, f.s_sn, f.s_st, f.s_sh) == (v.data_ptr(), *st[:3], *s.stride())
     out = _strided(rng, T, H, D, dtype, rng.choice((0, 8, 3)), 0, off)
     cu, lens = torch.tensor([0, T], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
     r = _facts.read_rows((out, torch.randn(T, H), cu, lens))
     want = _layout.aligned(out.data_ptr(), out.element_size(), w, out.stride(0) | out.stride(1) | D)
-    assert r.sig[-2] == want and not r.neg
+    assert r.sig[-2] == want and (r.out_st, r.out_sh, r.batch) == (*out.stride()[:2], 1)
