@@ -228,3 +228,21 @@ def test_a_generated_call_takes_no_call_the_full_validation_rejects(counted, see
 
 
 SEEN: list[tuple[bool, bool]] = []  # (taken, valid) of each layout: the mix this test covers
+
+
+def test_a_later_merge_states_call_with_outputs_of_another_shape_is_refused_by_name(counted):
+    """merge_states' generated call sends outputs of another shape (or a stride under head_dim)
+    to the full validation, which names them; nothing is launched."""
+    log, _ = counted
+    T = 12
+    v, s = torch.randn(3, T, H, D).to(BF), torch.randn(3, T, H)
+    zerokv.merge_states(v, s, out=torch.empty(T, H, D, dtype=BF), out_lse=torch.empty(T, H))
+    launched = len(log)
+    for out, out_lse, match in [
+        (torch.empty(T, H, D, dtype=BF), torch.empty(T, H + 1), "out_lse: expected shape"),
+        (torch.empty(T + 1, H, D, dtype=BF), torch.empty(T, H), "out: expected shape"),
+        (torch.empty(T, H, D, 2, dtype=BF)[..., 0], torch.empty(T, H), "out"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            zerokv.merge_states(v, s, out=out, out_lse=out_lse)
+    assert len(log) == launched

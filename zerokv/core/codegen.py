@@ -10,10 +10,11 @@ the arguments.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from . import launch as _launch
-from .facts import _numel
+from . import outputs as _outputs
 from .forms import launch_grid
 from .generic_tensors import _Generic, generic, writable_cheap
 from .layout import INT32, VECTOR_BYTES, distinct
@@ -51,8 +52,8 @@ def _scope(plan: Any, objs: tuple) -> dict[str, Any]:
     size = getattr(plan, "in_size", None) or plan.out_size
     scope = {
         "TT": torch_tensor_type(), "GEN": _Generic, "generic": generic, "writable_cheap": writable_cheap,
-        "distinct": distinct, "numel": _numel, "P": plan, "INT32": INT32, "UNREADABLE": UNREADABLE,
-        "ARENA": _launch._arena, "STREAM": plan.stream, "DEVICE": plan.device, "ptr": _ptr,
+        "distinct": distinct, "prod": math.prod, "P": plan, "INT32": INT32, "UNREADABLE": UNREADABLE,
+        "ARENA": _launch._arena, "STREAM": plan.stream, "DEVICE": plan.device, "ptr": _outputs.ptr,
         "launch_grid": launch_grid, "FORMS": getattr(plan, "forms", None), "GRIDS": getattr(plan, "grids", None),
         "ISZ": size, "OSZ": plan.out_size, "W": pack_width(size),
         "IDX": getattr(plan, "idx_size", 0), "MASK": getattr(plan, "mask_size", 0),
@@ -204,7 +205,3 @@ def mixed(plan: Any, objs: tuple) -> bool:
 def pack_width(itemsize: int) -> int:
     """Elements per 16-byte pack, whether the plan packs or not (the alignment rule's width)."""
     return VECTOR_BYTES // itemsize
-
-
-def _ptr(x: Any) -> int:
-    return generic(x).data_ptr()

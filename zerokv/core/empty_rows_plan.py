@@ -32,11 +32,9 @@ def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
     generated calls of recent signatures first (:mod:`rows_call`), then the plan of the call's
     signature: its call, or the full validation and the launch."""
     key = ("empty_rows", rule)
-    calls = _plans.recent.get(key)
-    if calls:
-        for call in calls:  # the generated calls of the signatures met last with this rule
-            if call(objs):
-                return
+    done, calls = _plans.recent_call(key, (objs,))  # the calls of the signatures met last
+    if done:
+        return
     f = _facts.read_rows(objs)
     if f is None or f.device < 0:
         v = validate(objs, rule, names or _NAMES[rule])
@@ -45,11 +43,8 @@ def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
         _cpu.empty_rows(v, rule_offsets=rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         return
     plan = _plans.get(("empty_rows", rule, f.sig)) or _new_plan(f, rule, names)
-    call = plan.call
-    if call is not None and not (calls and call in calls) and call(objs):
-        _plans.remember_call(key, call, calls)
-        return
-    plan.slow(f, rule, names)
+    if not _plans.plan_call(key, plan, (objs,), calls):
+        plan.slow(f, rule, names)
 
 
 def _new_plan(f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> Plan:

@@ -129,13 +129,6 @@ def _read_block_scale(f: Any, sig: list, bscale: Any) -> None:
     sig += ("bscale", bscale.dtype, bscale.get_device())
 
 
-def _numel(shape: tuple) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 class NFacts:
     """An N-way merge call: objects (v, s, out, out_lse, out_scale, sinks[, out_block_scale]),
     signature part and facts under merge_states_kernel's parameter names."""

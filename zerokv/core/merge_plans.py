@@ -77,10 +77,10 @@ class Plan:
         asks for it), their facts written into ``f``."""
         if out is None:
             out = self.new(f.objs[0], (T, H, D), False)
-            f.out, f.out_st, f.out_sh = out.data_ptr() if self.torch else ptr(out), H * D, D
+            f.out, f.out_st, f.out_sh = out.data_ptr() if self.torch else _outputs.ptr(out), H * D, D
         if out_lse is None and self.allocate_lse:
             out_lse = self.new(f.objs[0], (T, H), True)
-            f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else ptr(out_lse), H, 1
+            f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else _outputs.ptr(out_lse), H, 1
         return out, out_lse
 
     def new(self, like: Any, shape: tuple, lse: bool) -> Any:
@@ -143,27 +143,19 @@ def two(
         lse_base, prefix_rows is None, suffix_verbatim, out is None if allocate_lse is None else allocate_lse,
         quant_group, scale_format, lse_ht is not None,
     )  # fmt: skip
-    try:
-        calls = _plans.recent.get(scalars)
+    try:  # the generated calls of the signatures met last with these scalars
+        r, calls = _plans.recent_call(scalars, (objs, prefix_rows))
     except TypeError:  # an unhashable lse_base (an array): the full checks name it
         _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, scalars[4:6])
         raise
-    if calls:
-        for call in calls:  # the generated calls of the signatures met last with these scalars
-            r = call(objs, prefix_rows)
-            if r is not None:
-                return r
+    if r is not None:
+        return r
     f = _facts.read_two(objs, lse_ht is not None)
     if f is None or f.device < 0:
         return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
     plan = _plans.get((scalars, f.sig)) or _new_plan(f, scalars, prefix_rows, names, lse_ht)
-    call = plan.call
-    if call is not None and not (calls and call in calls):
-        r = call(objs, prefix_rows)
-        if r is not None:  # this signature's call first next time
-            _plans.remember_call(scalars, call, calls)
-            return r
-    return plan.slow(f, prefix_rows, names, scalars, lse_ht)
+    r = _plans.plan_call(scalars, plan, (objs, prefix_rows), calls)
+    return r if r is not None else plan.slow(f, prefix_rows, names, scalars, lse_ht)
 
 
 def _new_plan(f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: Any, lse_ht: Any) -> TwoPlan:
@@ -271,10 +263,6 @@ class TwoPlan(Plan):
             bool(self.consts.a_is64), self.quant_group,
         )  # fmt: skip
         return _forms.merge_two(c, self.dev, self.ctypes), _facts.TwoFacts, None
-
-
-def ptr(x: Any) -> int:
-    return _checks.view(x, "out").ptr
 
 
 def _exact_two(f: _facts.TwoFacts, plan: TwoPlan) -> tuple[int, bool]:

@@ -19,27 +19,20 @@ from .merge_plans import Plan, cpu_outputs, host_only, widest_span
 def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     """``objs``: (v, s, out, out_lse, out_scale, sinks[, out_block_scale]); ``scalars``:
     (lse_base, allocate_lse, (quant_group, scale_format))."""
-    try:
-        calls = _plans.recent.get(("n", scalars))
+    key = ("n", scalars)
+    try:  # the generated calls of the signatures met last with these scalars
+        r, calls = _plans.recent_call(key, (objs,))
     except TypeError:  # an unhashable lse_base (an array): the full checks name it
         _merge_checks.n(objs, scalars[0], _quant(scalars))
         raise
-    if calls:
-        for call in calls:  # the generated calls of the signatures met last with these scalars
-            r = call(objs)
-            if r is not None:
-                return r
+    if r is not None:
+        return r
     f = _facts.read_n(objs)
     if f is None or f.device < 0:
         return _cpu_n(objs, scalars)
     plan = _plans.get(("n", scalars, f.sig)) or _new_plan(f, scalars)
-    call = plan.call
-    if call is not None and not (calls and call in calls):
-        r = call(objs)
-        if r is not None:
-            _plans.remember_call(("n", scalars), call, calls)
-            return r
-    return plan.slow(f, scalars)
+    r = _plans.plan_call(key, plan, (objs,), calls)
+    return r if r is not None else plan.slow(f, scalars)
 
 
 def _new_plan(f: _facts.NFacts, scalars: tuple) -> NPlan:

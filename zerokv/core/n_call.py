@@ -74,34 +74,19 @@ def _write(src: Source, plan: Any, given: list, n_objs: int) -> None:
         spans.append(("pk", "ek"))
     if given[4]:
         add("        pq = scale.data_ptr()")
-        add("        if numel(scale.shape) != 1:")
+        add("        if prod(scale.shape) != 1:")
         add("            return None")
         add("        eq = pq + 4")
         spans.append(("pq", "eq"))
-    if given[2]:  # out: apart from every input (no alias in an N-way merge)
-        add("        po = out.data_ptr(); o0, o1, o2 = out.stride()")
-        add("        if out.shape != (T, H, D) or (D > 1 and o2 != 1):")
-        add("            return None")
-        src.writable("out")
-        src.distinct("o0", "o1", "D")
-        add("        xo = T1 * o0 + H1 * o1 + D; eo = po + xo * OSZ")
-        for lo, hi in spans:
-            src.apart("po", "eo", lo, hi)
-        spans.append(("po", "eo"))
+    if given[2]:  # the outputs: apart from every input and each other (no alias in an N-way merge)
+        wrong = "out.shape != (T, H, D) or (D > 1 and o2 != 1)"
+        _output(src, "out", "po", ("o0", "o1", "o2"), wrong, "D", "OSZ", spans)
         aligned += ["po % (W * OSZ)", "(o0 | o1) % W"]
         st_or += ["o0", "o1"]
         neg.append("o2")
         widest.append("xo")
     if given[3]:
-        add("        pl = out_lse.data_ptr(); l0, l1 = out_lse.stride()")
-        add("        if out_lse.shape != (T, H):")
-        add("            return None")
-        src.writable("out_lse")
-        src.distinct("l0", "l1", "1")
-        add("        xl = T1 * l0 + H1 * l1 + 1; el = pl + 4 * xl")
-        for lo, hi in spans:
-            src.apart("pl", "el", lo, hi)
-        spans.append(("pl", "el"))
+        _output(src, "out_lse", "pl", ("l0", "l1"), "out_lse.shape != (T, H)", "1", "4", spans)
         st_or += ["l0", "l1"]
         widest.append("xl")
     src.aligned(plan.vec > 1, aligned)
@@ -115,6 +100,25 @@ def _write(src: Source, plan: Any, given: list, n_objs: int) -> None:
     add("    except UNREADABLE:")
     add("        return None")
     _launch(src, plan, given)
+
+
+def _output(
+    src: Source, nm: str, p: str, strides: tuple, wrong: str, inner: str, size: str, spans: list
+) -> None:
+    """An output read into ``p`` (pointer) and ``strides``, its shape (``wrong``: the test that
+    refuses it), writability, distinct elements, bytes apart from ``spans`` (then one of them);
+    ``x<o|l>`` / ``e<o|l>``: its span in elements and its byte end."""
+    s0, s1 = strides[:2]
+    x, e = f"x{p[1]}", f"e{p[1]}"
+    src.add(f"        {p} = {nm}.data_ptr(); {', '.join(strides)} = {nm}.stride()")
+    src.add(f"        if {wrong}:")
+    src.add("            return None")
+    src.writable(nm)
+    src.distinct(s0, s1, inner)
+    src.add(f"        {x} = T1 * {s0} + H1 * {s1} + {inner}; {e} = {p} + {x} * {size}")
+    for lo, hi in spans:
+        src.apart(p, e, lo, hi)
+    spans.append((p, e))
 
 
 def _launch(src: Source, plan: Any, given: list) -> None:

@@ -23,6 +23,13 @@ def new(like: Any, is_torch: bool, device: int, shape: tuple[int, ...], dtype: s
         return cupy.empty(shape, dtype=_numpy_dtype(dtype))
 
 
+def ptr(x: Any) -> int:
+    """The device pointer of an output of another producer (a torch tensor's: ``data_ptr``)."""
+    from .generic_tensors import generic
+
+    return generic(x).data_ptr()
+
+
 def _numpy_dtype(name: str) -> Any:
     if name in ("bfloat16", "float8_e4m3fn"):
         import ml_dtypes

@@ -47,11 +47,30 @@ recent: dict[Any, tuple] = {}
 RECENT = 8
 
 
-def remember_call(key: Any, call: Any, calls: tuple | None) -> None:
-    """``call`` first among the recent calls of ``key``."""
-    if len(recent) >= LIMIT:
-        recent.clear()
-    recent[key] = (call, *calls[: RECENT - 1]) if calls else (call,)
+def recent_call(key: Any, args: tuple) -> tuple[Any, tuple | None]:
+    """``(result, calls)``: the result of the first of ``key``'s recent generated calls that
+    takes ``args`` (None when none does) and those calls. An unhashable key raises TypeError."""
+    calls = recent.get(key)
+    if calls:
+        for call in calls:
+            r = call(*args)
+            if r is not None:
+                return r, calls
+    return None, calls
+
+
+def plan_call(key: Any, plan: Any, args: tuple, calls: tuple | None) -> Any:
+    """The result of ``plan``'s generated call on ``args`` unless it was among ``calls`` (tried
+    already) or does not take them (None); a call it takes puts it first among ``key``'s."""
+    call = plan.call
+    if call is None or (calls and call in calls):
+        return None
+    r = call(*args)
+    if r is not None:
+        if len(recent) >= LIMIT:
+            recent.clear()
+        recent[key] = (call, *calls[: RECENT - 1]) if calls else (call,)
+    return r
 
 
 def remember(key: Any, plan: Any) -> None:

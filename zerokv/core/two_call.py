@@ -158,7 +158,7 @@ def _options(src: Source, plan: Any, given: list, st_or: list) -> list:
         spans.append(("pm", "em", None))
     if given[9]:  # out_scale: one float32
         add("        pq = scale.data_ptr()")
-        add("        if numel(scale.shape) != 1:")
+        add("        if prod(scale.shape) != 1:")
         add("            return None")
         add("        eq = pq + 4")
         spans.append(("pq", "eq", None))
