@@ -66,7 +66,7 @@ constexpr int F_SINKS = 4;      // attention sinks [H]
 constexpr int F_ROW_MASK = 8;   // rows with mask 0 are not touched
 constexpr int F_OUT_SCALE = 16; // fp8 output, merged / *out_scale
 constexpr int F_GROUP_FP8 = 32; // fp8 output with a float32 scale per group of packs
-constexpr int F_A_SKIP = 64;    // with F_A_EMPTY: v_a loaded after the request search, only where used
+constexpr int F_A_RUN = 64;     // with F_A_EMPTY, the gathered form: spans in a loop (merge_flat_run)
 // with F_GROUP_FP8: log2 of the packs of one group in bits 7-9 (FEAT >> F_GROUP_SHIFT & 7), so that
 // the group's shuffles and index math are compiled for its size (the g_shr parameter is unused)
 constexpr int F_GROUP_SHIFT = 7;
@@ -104,6 +104,40 @@ __device__ __forceinline__ bool a_row_empty(const void* cu, const void* lens, in
   }
   const i64 start = offset_at<A64>(cu, lo), end = offset_at<A64>(cu, lo + 1), len = offset_at<A64>(lens, lo);
   return clip_row(start, T) <= t && t < clip_row(end, T) && len == 0;
+}
+
+// a_row_empty's search, with what it learnt: a token t' in [lo, hi) takes the same path (every
+// offset the search compared is <= lo or >= hi), so it ends on the same request, and its answer
+// is start <= t' < end && zero: exact for any offsets, in order or not.
+struct ReqSpan {
+  int lo, hi;      // the tokens whose search is this one's (lo > hi: none)
+  int start, end;  // the request's rows, clipped to [0, T]
+  bool zero;       // its kv_lens is 0
+  __device__ __forceinline__ bool knows(int t) const { return lo <= t && t < hi; }
+  __device__ __forceinline__ bool empty(int t) const { return zero && start <= t && t < end; }
+};
+
+template <bool A64>
+__device__ __forceinline__ ReqSpan a_request_span(const void* cu, const void* lens, int B, int T, int t) {
+  constexpr int MIN32 = -2147483647 - 1, MAX32 = 2147483647;
+  ReqSpan s{MIN32, MAX32, 0, 0, false};
+  if (B <= 0) return s;
+  int lo = 0, hi = B;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) >> 1;
+    const i64 x = offset_at<A64>(cu, mid);
+    if (x <= (i64)t) {
+      lo = mid;
+      s.lo = max(s.lo, (int)max(x, (i64)MIN32));
+    } else {
+      hi = mid;
+      s.hi = min(s.hi, (int)min(x, (i64)MAX32));
+    }
+  }
+  s.start = (int)clip_row(offset_at<A64>(cu, lo), T);
+  s.end = (int)clip_row(offset_at<A64>(cu, lo + 1), T);
+  s.zero = offset_at<A64>(lens, lo) == 0;
+  return s;
 }
 
 // |x| as its bits with the sign cleared (fabsf under -ftz is an FADD that flushes denormals)
@@ -482,17 +516,16 @@ __device__ __forceinline__ bool a_empty_of(const void* cu, const void* lens, int
 // block's tokens t_lo .. t_lo + ntok - 1 (those of its first and last live rows; in tiles of 8
 // with TILE) are searched by its first warps (the window, 32 tokens a warp) or threads (the plain
 // search, one token each) into shared memory; after a barrier every thread reads its token's
-// answer. Smaller grids (a few waves, latency-bound) and F_A_SKIP (v_a waits on the answer, not
-// on a barrier) search in each warp. Called after the thread's loads are issued; every thread of
+// answer. Smaller grids (a few waves, latency-bound) search in each warp. Called after the thread's loads are issued; every thread of
 // the block calls it. Thresholds measured: bench/NOTES.md.
 constexpr unsigned A_SHARED_THREADS = 1u << 19;
 
-template <bool A64, int BLOCK, bool TILE, bool SHARED>
+template <bool A64, int BLOCK, bool TILE>
 __device__ __forceinline__ bool token_empty(const void* cu, const void* lens, int B, int T, int t, int rows,
                                             int packs, unsigned packs_mul, int packs_shr, int H, unsigned H_mul,
                                             int H_shr, unsigned tiled_rows) {
   const bool window = a_windowed(B);
-  if (!SHARED || gridDim.x * (unsigned)BLOCK < A_SHARED_THREADS) return a_empty_of<A64>(cu, lens, B, T, t, window);
+  if (gridDim.x * (unsigned)BLOCK < A_SHARED_THREADS) return a_empty_of<A64>(cu, lens, B, T, t, window);
   constexpr int SPAN = BLOCK + 32;  // tokens one block's rows can reach (BLOCK + 24 in tiles of 8)
   __shared__ unsigned char s_empty[SPAN];
   const unsigned i0 = blockIdx.x * (unsigned)BLOCK;
@@ -542,18 +575,17 @@ __device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d
 // merge_pack with the option features of FEAT (nonzero). a_empty: whether the row's request is
 // empty comes from `empty_of(t)` (token_empty in the flat forms, a_empty_of in the heads form).
 // v_a is loaded with v_b and the answer awaited while the loads are in flight (the contract lets
-// a kernel load an empty input's V; it is selected away, never used); with F_A_SKIP the answer
-// comes first and a row whose state a is not used (its request empty, or past prefix_rows) does
-// not load v_a: fewer bytes, a later v_a load. keep: the row is written (row mask). An unused state's V is dropped by a select,
-// never multiplied by zero.
+// a kernel load an empty input's V; it is selected away, never used), unless the caller knows
+// before the loads that state a goes unused (load_a false: merge_flat_run). keep: the row is
+// written (row mask). An unused state's V is dropped by a select, never multiplied by zero.
 template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I, typename EmptyOf>
 __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, int p, int packs,
                                                   const Tin* va, const Tin* vb, const float* sa, const float* sb,
                                                   Tout* out, I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh,
                                                   I vb_st, I vb_sh, I out_st, I out_sh, int prefix_rows,
                                                   int suffix_verbatim, float k, float inv_k, const Opts<I>& o,
-                                                  bool& keep, const EmptyOf& empty_of) {
-  constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0, LATE_A = A_EMPTY && (FEAT & F_A_SKIP) != 0;
+                                                  bool& keep, const EmptyOf& empty_of, bool load_a = true) {
+  constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0;
   const I t = t32, h = h32, d = p * VEC;
   // the row mask's byte, loaded first: ptxas otherwise issues it after the merge's arithmetic, a
   // second round trip before the store
@@ -562,7 +594,8 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
     asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(mask) : "l"(o.row_mask + t32));
   Pack<Tin, VEC> a;
   const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
-  if constexpr (!LATE_A) a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
+  if (load_a) a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
+  else a = Pack<Tin, VEC>{};  // selected away below: the bits do not matter
   const float la = __ldg(sa + (t * sa_st + h * sa_sh));
   const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
   float sink = 0.f;
@@ -571,13 +604,6 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
   if constexpr ((FEAT & F_ROW_MASK) != 0) keep = live && mask != 0u;
   bool use_a = t32 < prefix_rows;
   if constexpr (A_EMPTY) use_a = !empty_of(t32) && use_a;
-  if constexpr (LATE_A) {
-    if (use_a) {
-      a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
-    } else {
-      a = Pack<Tin, VEC>{};  // selected away below: the bits do not matter
-    }
-  }
   RowCoef c = combine2<true>(use_a ? la : neg_inf(), lb, k, inv_k);
   if constexpr ((FEAT & F_SINKS) != 0) {
     const float f = apply_sink(c.lse, sink, k, inv_k);
@@ -658,7 +684,7 @@ __device__ __forceinline__ void merge_flat(
   } else {
     const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
     const auto empty_of = [&](int t) {
-      return token_empty<(FEAT & F_A64) != 0, BLOCK, TILE, (FEAT & F_A_SKIP) == 0>(
+      return token_empty<(FEAT & F_A64) != 0, BLOCK, TILE>(
           o.a_cu, o.a_lens, o.a_batch, T, t, rows, packs, packs_mul, packs_shr, H, H_mul, H_shr, tiled_rows);
     };
     c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, I>(
@@ -673,6 +699,56 @@ __device__ __forceinline__ void merge_flat(
                                                                    tiled_rows, ol_st, ol_sh, keep);
   } else {
     store_float_if(keep && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
+  }
+}
+
+// a_empty in runs of spans (F_A_RUN; the gathered form from bench/NOTES.md's threshold): the
+// first L blocks take A_RUN_SPANS consecutive spans of BLOCK packs each, the grid's last blocks
+// (its tail, so that no SM waits on long blocks at the end) one span each; the host launches
+// G = L + S - L K blocks for S spans, so L = ceil((S - G) / (K - 1)). A thread's tokens then rise
+// slowly and few requests pass it: the search of its first token (ReqSpan) answers the later
+// ones before their loads, and a row known not to use state a (its request empty, or past
+// prefix_rows) does not load v_a. A token the span does not know loads v_a with v_b and searches
+// while they are in flight, as merge_flat does. Output LSEs from each row's pack-0 thread (no
+// barrier: the gathered store's barrier per span cost more than it saved).
+constexpr unsigned A_RUN_SPANS = 4;
+
+template <typename Tin, typename Tout, int VEC, int BLOCK, bool TILE, int FEAT>
+__device__ __forceinline__ void merge_flat_run(
+    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
+    int rows, int H, int packs, unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
+    int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
+    int out_st, int out_sh, int ol_st, int ol_sh, int prefix_rows, int suffix_verbatim, float k, float inv_k,
+    const Opts<int>& o) {
+  constexpr unsigned K = A_RUN_SPANS;
+  const unsigned total = (unsigned)rows * (unsigned)packs, S = (total + (unsigned)BLOCK - 1u) / (unsigned)BLOCK;
+  const unsigned G = gridDim.x, b = blockIdx.x;
+  const unsigned L = S > G ? min(G, (S - G + K - 2u) / (K - 1u)) : 0u;
+  const unsigned spans = b < L ? K : 1u, first = b < L ? b * K : L * K + (b - L);
+  const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
+  unsigned tiled_rows = 0;  // rows in tiles of 8 tokens (flat_token)
+  if constexpr (TILE) tiled_rows = ((unsigned)T & ~7u) * (unsigned)H;
+  ReqSpan known{1, 0, 0, 0, false};
+  for (unsigned j = 0; j < spans; ++j) {
+    const unsigned i = (first + j) * (unsigned)BLOCK + threadIdx.x;
+    const unsigned row0 = fast_div(i, packs_mul, packs_shr);
+    const bool live = row0 < (unsigned)rows;
+    const unsigned row = live ? row0 : 0u;  // past the last row: row 0, nothing stored
+    const int p = live ? (int)(i - row0 * (unsigned)packs) : 0;
+    int h32;
+    const int t32 = flat_token<TILE>(row, H, H_mul, H_shr, tiled_rows, h32);
+    const bool knows = known.knows(t32);
+    const bool load_a = !(knows && (known.empty(t32) || t32 >= prefix_rows));
+    bool keep = live;
+    const RowCoef c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, int>(
+        live, t32, h32, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
+        out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep,
+        [&](int t) {
+          if (!knows) known = a_request_span<(FEAT & F_A64) != 0>(o.a_cu, o.a_lens, o.a_batch, T, t);
+          return known.empty(t);
+        },
+        load_a);
+    store_float_if(keep && p == 0 && olse != nullptr, olse, t32 * ol_st + h32 * ol_sh, c.lse);
   }
 }
 
@@ -741,7 +817,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state
 
 // The many-waves form from 2^19 threads on, in blocks of 512 with the output LSE gathered
 // (store_lse_gathered); its SMALL = 1 form (no early return), which measured even with SMALL = 0
-// on these grids. TILE = 1 for an out_lse laid [H, T] (merge.py).
+// on these grids. TILE = 1 for an out_lse laid [H, T] (merge.py). With F_A_RUN: merge_flat_run.
 template <typename Tin, typename Tout, int VEC, int TILE, int FEAT = 0>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel, FEAT ? 4 : 0) merge_state_flat_gathered_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
@@ -753,10 +829,15 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel, FEA
     const void* a_cu, const void* a_lens, int a_batch,  // options (FEAT): a_empty's offsets
     const unsigned char* row_mask, const float* sinks, const float* out_scale,
     float* bscale, int bs_st, int bs_sg, int g_shr, int ue8m0) {  // per-group fp8 scales
-  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat_gathered_kernel, int, true, TILE != 0, FEAT>(
-      va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
-      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k,
-      Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0});
+  const Opts<int> o{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0};
+  if constexpr ((FEAT & F_A_RUN) != 0)
+    merge_flat_run<Tin, Tout, VEC, ZK_BLOCK_merge_state_flat_gathered_kernel, TILE != 0, FEAT>(
+        va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
+        va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k, o);
+  else
+    merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat_gathered_kernel, int, true, TILE != 0, FEAT>(
+        va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
+        va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k, o);
 }
 
 // The same for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still

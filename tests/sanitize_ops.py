@@ -250,6 +250,38 @@ def option_forms() -> None:
                     )
 
 
+def a_empty_runs() -> None:
+    """a_empty on the gathered form in runs of spans (a grid past the runs' threshold on this GPU,
+    head_dim 16: few bytes a row), valid and lying offsets, both LSE layouts, prefix_rows."""
+    from zerokv.core import forms
+
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    H, D = 128, 16  # two packs of bf16 a row
+    T = forms.THRESHOLDS["a_empty_runs_spans_per_sm"] * sms * 512 // (H * 2) + 5
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, DEV, seed=3)
+    g = torch.Generator().manual_seed(T)
+    offsets = {
+        "valid": (torch.linspace(0, T, 41).round().tolist(), [0, 3] * 20, torch.int32),
+        "lying": ([0, T + 50, -7, 2**31 - 1, T // 2], [0, 3, 0, 0], torch.int32),
+        "lying64": ([0, 2**40, -(2**40), 5, T], [0, 0, 9, 0], torch.int64),
+        "scrambled": (torch.randint(-T, 2 * T + 1, (1101,), generator=g).tolist(), [0, 1] * 550, torch.int32),
+    }
+    for lse_kind, lse in (("TH", poison((T, H))), ("HT", ht(poison((T, H))))):
+        out = poison((T, H, D), torch.bfloat16)
+        for kind, (cu_l, kv_l, idx) in offsets.items():
+            cu, kv = torch.tensor(cu_l, dtype=idx, device=DEV), torch.tensor(kv_l, dtype=idx, device=DEV)
+            run(
+                f"runs a_empty {kind} {lse_kind}",
+                lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse, a_empty=(cu, kv)),
+            )
+    run(
+        "runs a_empty prefix_rows",
+        lambda: zerokv.merge_state(
+            v_a, s_a, v_b, s_b, out=out, out_lse=lse, a_empty=(cu, kv), prefix_rows=T // 3
+        ),
+    )
+
+
 def lying_offsets() -> None:
     for case in LYING_CASES:
         for index_dtype in case.index_dtypes:
@@ -284,6 +316,7 @@ def main() -> int:
     valid_inputs()
     flat_forms()
     option_forms()
+    a_empty_runs()
     lying_offsets()
     torch.cuda.synchronize()
     print(f"sanitize_ops: {calls} calls, {len(raised)} raised")

@@ -157,3 +157,14 @@ def test_fast_divisor_divides_exactly_below_2_to_the_31():
 def test_fast_divisor_rejects_divisors_it_cannot_serve(d):
     with pytest.raises(ValueError, match="d must be"):
         _kernels.fast_divisor(d)
+
+
+def test_feature_bits_and_run_spans_are_those_of_merge_cu():
+    """FEAT's bits and merge_flat_run's spans a block, as kernels.py and forms.py use them, are
+    the constants merge.cu compiles (a bit moved on one side only would launch another option)."""
+    text = _sources.source("merge")
+    c_values = {m[1]: int(m[2]) for m in re.finditer(r"constexpr (?:int|unsigned) (\w+) = (\d+);", text)}
+    names = [n for n in dir(_kernels) if n.startswith("F_") or n == "A_RUN_SPANS"]
+    assert "F_A_RUN" in names and "F_GROUP_SHIFT" in names
+    for n in names:
+        assert c_values.get(n) == getattr(_kernels, n), (n, c_values.get(n), getattr(_kernels, n))

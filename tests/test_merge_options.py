@@ -318,16 +318,27 @@ def test_a_empty_on_every_size_class(launched, cls, index_dtype):
     _expect_kernel(launched, cls, bit)
 
 
-BIG_T = 33000  # x 8 heads x 16 packs of bf16: past 2^22 threads, the gathered form
+BIG_T = 33000  # x 8 heads x 16 packs of bf16: past 2^22 threads, the gathered form in runs of spans
+
+
+def _one_pass_t():
+    """T (8 heads x 16 packs of bf16) below the runs' threshold on this GPU, past 2^19 threads:
+    the gathered a_empty form in one span a block, its search shared by the block."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    T = forms.THRESHOLDS["a_empty_runs_spans_per_sm"] * sms * 512 // 128 - 8
+    assert 4096 < T < BIG_T
+    return T
+
+
 _LIES = {c.id: c for c in LYING_CASES}
 LYING_AT_SCALE = ("past_T", "negative_first", "decreasing", "decreasing_overlap", "uncovered_rows",
                   "above_2^31", "huge_negative")  # fmt: skip
 
 
-def _scaled(case):
-    """A lying case's offsets at BIG_T (small values scaled by BIG_T / T, extreme ones kept),
-    as tensors of its narrowest index dtype."""
-    k = BIG_T // case.T
+def _scaled(case, T=BIG_T):
+    """A lying case's offsets at T (small values scaled by T / case.T, extreme ones kept), as
+    tensors of its narrowest index dtype."""
+    k = T // case.T
     cu = [c * k if abs(c) <= 2**20 else c for c in case.cu]
     dtype = case.index_dtypes[0]
     return torch.tensor(cu, dtype=dtype, device="cuda"), torch.tensor(case.kv, dtype=dtype, device="cuda")
@@ -392,17 +403,46 @@ def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
         *(("TH", f"scrambled {c}") for c in _BATCHES),
     ],
 )
-def test_a_empty_search_on_many_rows(launched, layout, offsets):
-    """a_empty's search shared by a block (the gathered form on 2^22 threads), by the window and
-    by the plain search, against the binary search's rows, valid offsets and offsets that lie
-    (out of order: the window gives way to the plain search)."""
+@pytest.mark.parametrize("form", ["runs", "one pass"])
+def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
+    """The gathered form's a_empty in runs of spans (a thread's later tokens answered from its
+    first search, v_a of known empty rows not loaded) and in one span a block (the search shared
+    by the block: the window or the plain search), against the binary search's rows, valid
+    offsets and offsets that lie (out of order: the window gives way to the plain search)."""
+    T = BIG_T if form == "runs" else _one_pass_t()
     if offsets in _BATCHES or offsets.startswith("scrambled "):
-        cu, lens = _search_offsets(offsets, BIG_T, 15)
+        cu, lens = _search_offsets(offsets, T, 15)
     else:
-        cu, lens = _scaled(_LIES[offsets])
-    _check_a_empty(BIG_T, 8, 128, torch.bfloat16, layout, cu, lens, 11, offsets in _BATCHES)
+        cu, lens = _scaled(_LIES[offsets], T)
+    _check_a_empty(T, 8, 128, torch.bfloat16, layout, cu, lens, 11, offsets in _BATCHES)
     bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if cu.dtype == torch.int64 else 0)
+    bit |= _kernels.F_A_RUN if form == "runs" else 0
     assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["TH", "HT"])
+@pytest.mark.parametrize("prefix", [0, 1, 20000, BIG_T - 3])
+def test_a_empty_in_runs_with_prefix_rows(launched, layout, prefix):
+    """Runs of spans skip v_a past prefix_rows too (state b alone there, by the empty rule): NaN
+    in v_a on those rows and on the empty requests' never reaches the output."""
+    T, H, D = BIG_T, 8, 128
+    cu, lens = _search_offsets("64 requests", T, 31)
+    va, vb = _v(T, H, D, torch.bfloat16, layout, 32), _v(T, H, D, torch.bfloat16, layout, 33)
+    sa, sb = _lse(T, H, layout, 34), _lse(T, H, layout, 35)
+    rows = reference.rows_with_empty_a(f64(cu).astype(np.int64), f64(lens).astype(np.int64), T)
+    unused = rows | (np.arange(T) >= prefix)
+    va[torch.from_numpy(unused).cuda()] = NAN
+    out, lse = (
+        torch.full((T, H, D), NAN, device="cuda").to(torch.bfloat16),
+        torch.full((T, H), NAN, device="cuda"),
+    )
+    lse = lse.T.contiguous().T if layout == "HT" else lse
+    zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, a_empty=(cu, lens), prefix_rows=prefix)
+    ro, rl = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb), prefix_rows=prefix, a_empty_rows=rows)
+    assert_close(out, ro, torch.bfloat16, "out")
+    assert_close(lse, rl, torch.float32, "lse")
+    assert any(t[-1] == _kernels.F_A_EMPTY | _kernels.F_A_RUN for _, t in launched), launched
 
 
 @pytest.mark.gpu

@@ -33,6 +33,11 @@ THRESHOLDS = {
     "n_two_packs_per_sm": 1 << 16,
     # the empty-row ops' persistent grid (entry 20)
     "empty_rows_blocks_per_sm": 1,
+    # a_empty on the gathered form in runs of spans (F_A_RUN) from this many spans of 512 packs
+    # per SM (8 waves of 4 blocks; T = 1056 at H = 128, D = 128 bf16), the grid's last
+    # `a_empty_run_tail_per_sm` blocks per SM one span each (entry 56)
+    "a_empty_runs_spans_per_sm": 32,
+    "a_empty_run_tail_per_sm": 8,
 }
 ROW_GROUP_MAX = 128  # lanes of a row group at most: one block (kernels_cu/merge.cu)
 
@@ -60,13 +65,19 @@ class Form(NamedTuple):
     lanes: int = 0
     g_shr: int = 0  # per-group fp8: log2 of the packs of one group
     per_token: int = 0  # threads per token: grid = ceil(T per_token / block); 0: grid_y = T
+    run_tail: int = 0  # F_A_RUN: blocks of one span at the grid's end (the others take A_RUN_SPANS)
 
 
 def launch_grid(form: Form, T: int) -> tuple[int, int]:
     """``(grid, grid_y)`` of ``form`` for ``T`` tokens (a form serves every T of its interval
     of ``t_breaks``)."""
     pt = form.per_token
-    return (-(-T * pt // form.kernel.block), 1) if pt else (form.grid, T)
+    if not pt:
+        return form.grid, T
+    spans = -(-T * pt // form.kernel.block)
+    if form.run_tail:  # the first blocks take A_RUN_SPANS spans each (merge.cu's merge_flat_run)
+        spans -= max(0, (spans - form.run_tail) // _kernels.A_RUN_SPANS) * (_kernels.A_RUN_SPANS - 1)
+    return spans, 1
 
 
 @lru_cache(maxsize=1024)  # shared by the plans of every signature of one shape
@@ -81,6 +92,7 @@ def t_breaks(H: int, D: int, vec: int, in_size: int, out_size: int, dev: Device)
     row_bytes = H * D * (2 * in_size + out_size)
     limits = [
         (THRESHOLDS["gathered_threads"], per_t),
+        (THRESHOLDS["a_empty_runs_spans_per_sm"] * dev.sms * _kernels.MERGE_STATE_FLAT_GATHERED.block, per_t),
         (THRESHOLDS["heads_packs"], per_t),
         (THRESHOLDS["small_blocks_per_sm"] * dev.sms * _kernels.MERGE_STATE_FLAT.block, per_t),
         (THRESHOLDS["n_two_packs_per_sm"] * dev.sms, per_t),
@@ -246,10 +258,25 @@ def flat_options(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) ->
         return None
     if form.kernel is _kernels.MERGE_STATE_FLAT:  # with options, SMALL = 1 stands for both
         form = form._replace(targs=(*form.targs[:3], 1, feat))
+    if name == "a_empty" and form.kernel is _kernels.MERGE_STATE_FLAT_GATHERED:
+        form = _a_empty_runs(c, dev, form, feat)
     if name == "group_fp8":  # the group's size in FEAT, in packs of the form's width (targs[2])
         group = _kernels.group_feature(c.quant_group, form.targs[2])
         form = form._replace(targs=(*form.targs[:-1], group), g_shr=group >> _kernels.F_GROUP_SHIFT & 7)
     return form
+
+
+def _a_empty_runs(c: MergeCall, dev: Device, form: Form, feat: int) -> Form:
+    """The gathered a_empty form in runs of spans (F_A_RUN) on grids of many waves: a row of an
+    empty request skips its v_a load there (entry 56); ``form`` otherwise."""
+    block = _kernels.MERGE_STATE_FLAT_GATHERED.block
+    if c.T * c.H * (c.D // c.vec) < THRESHOLDS["a_empty_runs_spans_per_sm"] * dev.sms * block:
+        return form
+    form = form._replace(
+        targs=(*form.targs[:-1], feat | _kernels.F_A_RUN),
+        run_tail=THRESHOLDS["a_empty_run_tail_per_sm"] * dev.sms,
+    )
+    return form._replace(grid=launch_grid(form, c.T)[0])
 
 
 class MergeForm(NamedTuple):

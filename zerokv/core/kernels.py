@@ -150,15 +150,16 @@ MERGE_STATE = Kernel(
 # class, for inputs and output of one dtype (fp8 outputs: from each input dtype); calls with
 # several options, or another pair of dtypes, take merge_state_kernel.
 F_A_EMPTY, F_A64, F_SINKS, F_ROW_MASK, F_OUT_SCALE, F_GROUP_FP8 = 1, 2, 4, 8, 16, 32
-# with F_A_EMPTY: v_a loaded after the request search, only for the rows that use it (measured
-# slower than loading it with v_b; the gathered forms keep it for the benchmark's comparison)
-F_A_SKIP = 64
+# with F_A_EMPTY, the gathered form: blocks take runs of A_RUN_SPANS spans of packs, and a row known
+# to be in an empty request does not load v_a (merge.cu's merge_flat_run; forms.py picks it)
+F_A_RUN = 64
+A_RUN_SPANS = 4  # merge.cu's A_RUN_SPANS
 # with F_GROUP_FP8: log2 of the packs of one group in bits 7-9, so that the kernel's shuffles and
 # scale index are compiled for the group's size (the g_shr parameter goes unused there)
 F_GROUP_SHIFT = 7
 QUANT_GROUPS = (16, 32, 64, 128)  # values of one group of per-group fp8
 SAME_DTYPE_FEATURES = (F_A_EMPTY, F_A_EMPTY | F_A64, F_SINKS, F_ROW_MASK)
-SKIP_FEATURES = (F_A_EMPTY | F_A_SKIP, F_A_EMPTY | F_A64 | F_A_SKIP)
+RUN_FEATURES = (F_A_EMPTY | F_A_RUN, F_A_EMPTY | F_A64 | F_A_RUN)
 _FP8 = _dtypes.ctype("float8_e4m3fn")
 
 
@@ -170,10 +171,10 @@ def group_feature(group: int, vec: int) -> int:
     return F_GROUP_FP8 | (packs.bit_length() - 1) << F_GROUP_SHIFT
 
 
-def feature_pairs(ci: str, vec: int, skip: bool = False) -> list[tuple[str, int]]:
+def feature_pairs(ci: str, vec: int, runs: bool = False) -> list[tuple[str, int]]:
     """(output C type, FEAT) of every option feature instantiated for input C type ``ci`` in
-    packs of ``vec`` (``skip``: with a_empty's F_A_SKIP variants); per-group fp8 once per group."""
-    same = SAME_DTYPE_FEATURES + (SKIP_FEATURES if skip else ())
+    packs of ``vec`` (``runs``: with a_empty's F_A_RUN forms); per-group fp8 once per group."""
+    same = SAME_DTYPE_FEATURES + (RUN_FEATURES if runs else ())
     groups = [group_feature(g, vec) for g in QUANT_GROUPS if g % vec == 0]
     return [(ci, f) for f in same] + [(_FP8, f) for f in (F_OUT_SCALE, *groups)]
 
@@ -238,7 +239,7 @@ MERGE_STATE_FLAT_GATHERED = Kernel(
     + tuple(
         (ci, co, vec(i), tile, f)
         for ci, i in _V
-        for co, f in feature_pairs(ci, vec(i), skip=True)
+        for co, f in feature_pairs(ci, vec(i), runs=True)
         for tile in (0, 1)
     ),
     block=512,
