@@ -367,8 +367,22 @@ def _scrambled(T, batch, index_dtype, seed):
     )
 
 
+def _short_requests(T, index_dtype, seed):
+    """63 requests of 1-3 tokens (every other one empty), then one request of the rest: many
+    requests inside one warp's run of tokens, within the window's 64."""
+    g = np.random.default_rng(seed)
+    cu = np.concatenate([[0], np.cumsum(g.integers(1, 4, 63)), [T]])
+    lens = np.array([0, 7] * 32)
+    return torch.tensor(cu, dtype=index_dtype, device="cuda"), torch.tensor(
+        lens, dtype=index_dtype, device="cuda"
+    )
+
+
 def _search_offsets(name, T, seed):
-    """``"<n> requests"`` (valid, a third of them empty) or ``"scrambled <n> requests"``."""
+    """``"<n> requests"`` (valid, a third of them empty), ``"scrambled <n> requests"`` or
+    ``"short requests"`` / ``"short requests int64"``."""
+    if name.startswith("short requests"):
+        return _short_requests(T, torch.int64 if name.endswith("int64") else torch.int32, seed)
     if name.startswith("scrambled "):
         batch, index_dtype = _BATCHES[name.removeprefix("scrambled ")]
         return _scrambled(T, batch, index_dtype, seed + 1)
@@ -399,6 +413,9 @@ def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
         ("HT", "9 requests"),
         ("HT", "64 requests"),
         ("HT", "400 requests"),
+        ("TH", "short requests"),
+        ("TH", "short requests int64"),
+        ("HT", "short requests"),
         *(("TH", c) for c in LYING_AT_SCALE),
         *(("TH", f"scrambled {c}") for c in _BATCHES),
     ],
@@ -406,15 +423,17 @@ def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
 @pytest.mark.parametrize("form", ["runs", "one pass"])
 def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
     """The gathered form's a_empty in runs of spans (a thread's later tokens answered from its
-    first search, v_a of known empty rows not loaded) and in one span a block (the search shared
-    by the block: the window or the plain search), against the binary search's rows, valid
-    offsets and offsets that lie (out of order: the window gives way to the plain search)."""
+    first search, the warp's window over its run or its own, v_a of known empty rows not loaded)
+    and in one span a block (the search shared by the block: the window or the plain search),
+    against the binary search's rows, valid offsets and offsets that lie (out of order: the
+    window gives way to the plain search)."""
     T = BIG_T if form == "runs" else _one_pass_t()
-    if offsets in _BATCHES or offsets.startswith("scrambled "):
+    if offsets in _BATCHES or offsets.startswith(("scrambled ", "short ")):
         cu, lens = _search_offsets(offsets, T, 15)
     else:
         cu, lens = _scaled(_LIES[offsets], T)
-    _check_a_empty(T, 8, 128, torch.bfloat16, layout, cu, lens, 11, offsets in _BATCHES)
+    valid = offsets in _BATCHES or offsets.startswith("short ")
+    _check_a_empty(T, 8, 128, torch.bfloat16, layout, cu, lens, 11, valid)
     bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if cu.dtype == torch.int64 else 0)
     bit |= _kernels.F_A_RUN if form == "runs" else 0
     assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
