@@ -730,6 +730,8 @@ __device__ __forceinline__ void merge_flat_run(
   if constexpr (TILE) tiled_rows = ((unsigned)T & ~7u) * (unsigned)H;
   ReqSpan known{1, 0, 0, 0, false};
   for (unsigned j = 0; j < spans; ++j) {
+    // merge_flat's row, pack and token, written again: the plain form's early return sits
+    // between them there, and a shared helper changed that form's SASS
     const unsigned i = (first + j) * (unsigned)BLOCK + threadIdx.x;
     const unsigned row0 = fast_div(i, packs_mul, packs_shr);
     const bool live = row0 < (unsigned)rows;
