@@ -106,40 +106,6 @@ __device__ __forceinline__ bool a_row_empty(const void* cu, const void* lens, in
   return clip_row(start, T) <= t && t < clip_row(end, T) && len == 0;
 }
 
-// a_row_empty's search, with what it learnt: a token t' in [lo, hi) takes the same path (every
-// offset the search compared is <= lo or >= hi), so it ends on the same request, and its answer
-// is start <= t' < end && zero: exact for any offsets, in order or not.
-struct ReqSpan {
-  int lo, hi;      // the tokens whose search is this one's (lo > hi: none)
-  int start, end;  // the request's rows, clipped to [0, T]
-  bool zero;       // its kv_lens is 0
-  __device__ __forceinline__ bool knows(int t) const { return lo <= t && t < hi; }
-  __device__ __forceinline__ bool empty(int t) const { return zero && start <= t && t < end; }
-};
-
-template <bool A64>
-__device__ __forceinline__ ReqSpan a_request_span(const void* cu, const void* lens, int B, int T, int t) {
-  constexpr int MIN32 = -2147483647 - 1, MAX32 = 2147483647;
-  ReqSpan s{MIN32, MAX32, 0, 0, false};
-  if (B <= 0) return s;
-  int lo = 0, hi = B;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) >> 1;
-    const i64 x = offset_at<A64>(cu, mid);
-    if (x <= (i64)t) {
-      lo = mid;
-      s.lo = max(s.lo, (int)max(x, (i64)MIN32));
-    } else {
-      hi = mid;
-      s.hi = min(s.hi, (int)min(x, (i64)MAX32));
-    }
-  }
-  s.start = (int)clip_row(offset_at<A64>(cu, lo), T);
-  s.end = (int)clip_row(offset_at<A64>(cu, lo + 1), T);
-  s.zero = offset_at<A64>(lens, lo) == 0;
-  return s;
-}
-
 // |x| as its bits with the sign cleared (fabsf under -ftz is an FADD that flushes denormals)
 __device__ __forceinline__ float abs_bits(float x) {
   float r;
@@ -705,12 +671,13 @@ __device__ __forceinline__ void merge_flat(
 // a_empty in runs of spans (F_A_RUN; the gathered form from bench/NOTES.md's threshold): the
 // first L blocks take A_RUN_SPANS consecutive spans of BLOCK packs each, the grid's last blocks
 // (its tail, so that no SM waits on long blocks at the end) one span each; the host launches
-// G = L + S - L K blocks for S spans, so L = ceil((S - G) / (K - 1)). A thread's tokens then rise
-// slowly and few requests pass it: the search of its first token (ReqSpan) answers the later
-// ones before their loads, and a row known not to use state a (its request empty, or past
-// prefix_rows) does not load v_a. A token the span does not know loads v_a with v_b and searches
-// while they are in flight, as merge_flat does. Output LSEs from each row's pack-0 thread (no
-// barrier: the gathered store's barrier per span cost more than it saved).
+// G = L + S - L K blocks for S spans, so L = ceil((S - G) / (K - 1)). The block's tokens (those
+// its spans reach) are searched once into shared memory, while the first span's loads are in
+// flight, by its warps (the window) or threads (the plain search, one token each), as
+// token_empty does for one span; after its barrier every later span knows before its loads
+// whether a row uses state a, and a row of an empty request (or past prefix_rows) does not load
+// v_a. Output LSEs from each row's pack-0 thread (the gathered store's barrier per span cost
+// more than it saved).
 constexpr unsigned A_RUN_SPANS = 4;
 
 template <typename Tin, typename Tout, int VEC, int BLOCK, bool TILE, int FEAT>
@@ -721,6 +688,9 @@ __device__ __forceinline__ void merge_flat_run(
     int out_st, int out_sh, int ol_st, int ol_sh, int prefix_rows, int suffix_verbatim, float k, float inv_k,
     const Opts<int>& o) {
   constexpr unsigned K = A_RUN_SPANS;
+  constexpr bool A64 = (FEAT & F_A64) != 0;
+  constexpr int NTOK = (int)K * BLOCK + 32;  // tokens a long block's rows can reach (K BLOCK + 24 in tiles of 8)
+  __shared__ unsigned char s_empty[NTOK];
   const unsigned total = (unsigned)rows * (unsigned)packs, S = (total + (unsigned)BLOCK - 1u) / (unsigned)BLOCK;
   const unsigned G = gridDim.x, b = blockIdx.x;
   const unsigned L = S > G ? min(G, (S - G + K - 2u) / (K - 1u)) : 0u;
@@ -728,7 +698,34 @@ __device__ __forceinline__ void merge_flat_run(
   const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
   unsigned tiled_rows = 0;  // rows in tiles of 8 tokens (flat_token)
   if constexpr (TILE) tiled_rows = ((unsigned)T & ~7u) * (unsigned)H;
-  ReqSpan known{1, 0, 0, 0, false};
+  // the block's tokens: from its first row's to its last row's (whole tiles of 8 with TILE)
+  const unsigned r0 = fast_div(first * (unsigned)BLOCK, packs_mul, packs_shr);
+  const unsigned r1 = fast_div(min((first + spans) * (unsigned)BLOCK, total) - 1u, packs_mul, packs_shr);
+  int h_any;
+  int t_lo = flat_token<TILE>(r0, H, H_mul, H_shr, tiled_rows, h_any);
+  int t_hi = flat_token<TILE>(r1, H, H_mul, H_shr, tiled_rows, h_any);
+  if constexpr (TILE) {
+    if (r0 < tiled_rows) t_lo &= ~7;
+    if (r1 < tiled_rows) t_hi |= 7;
+  }
+  const int ntok = min(t_hi - t_lo + 1, NTOK);
+  const auto search = [&]() {  // every thread of the block calls it (a barrier inside)
+    if (a_windowed(o.a_batch)) {  // a warp for 32 tokens (the window)
+      for (int j0 = (int)(threadIdx.x & ~31u); j0 < ntok; j0 += BLOCK) {
+        const int j = min(j0 + (int)(threadIdx.x & 31u), ntok - 1);
+        const bool e = a_empty_of<A64>(o.a_cu, o.a_lens, o.a_batch, T, t_lo + j, true);
+        if (j0 + (int)(threadIdx.x & 31u) < ntok) s_empty[j] = e;
+      }
+    } else {
+      for (int j = (int)threadIdx.x; j < ntok; j += BLOCK)
+        s_empty[j] = a_row_empty<A64>(o.a_cu, o.a_lens, o.a_batch, T, t_lo + j);
+    }
+    __syncthreads();
+  };
+  const auto empty_at = [&](int t) {  // outside the range (none by construction): the thread's own search
+    const int j = t - t_lo;
+    return (unsigned)j < (unsigned)ntok ? s_empty[j] != 0 : a_row_empty<A64>(o.a_cu, o.a_lens, o.a_batch, T, t);
+  };
   for (unsigned j = 0; j < spans; ++j) {
     // merge_flat's row, pack and token, written again: the plain form's early return sits
     // between them there, and a shared helper changed that form's SASS
@@ -739,17 +736,18 @@ __device__ __forceinline__ void merge_flat_run(
     const int p = live ? (int)(i - row0 * (unsigned)packs) : 0;
     int h32;
     const int t32 = flat_token<TILE>(row, H, H_mul, H_shr, tiled_rows, h32);
-    const bool knows = known.knows(t32);
-    const bool load_a = !(knows && (known.empty(t32) || t32 >= prefix_rows));
+    const bool known = j > 0;  // the block's search is done (the same for the block)
+    const bool empty = known && empty_at(t32);
     bool keep = live;
     const RowCoef c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, int>(
         live, t32, h32, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
         out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep,
         [&](int t) {
-          if (!knows) known = a_request_span<(FEAT & F_A64) != 0>(o.a_cu, o.a_lens, o.a_batch, T, t);
-          return known.empty(t);
+          if (known) return empty;
+          search();
+          return empty_at(t);
         },
-        load_a);
+        !(known && (empty || t32 >= prefix_rows)));
     store_float_if(keep && p == 0 && olse != nullptr, olse, t32 * ol_st + h32 * ol_sh, c.lse);
   }
 }
