@@ -280,6 +280,23 @@ def a_empty_runs() -> None:
             v_a, s_a, v_b, s_b, out=out, out_lse=lse, a_empty=(cu, kv), prefix_rows=T // 3
         ),
     )
+    # rows of one pack (H = 1, D = 8): a long block's shared search holds 2048 tokens, its most
+    T1 = forms.THRESHOLDS["a_empty_runs_spans_per_sm"] * sms * 512 + 1003
+    v_a, s_a, v_b, s_b = make_states(T1, 1, 8, torch.bfloat16, DEV, seed=4)
+    out1 = poison((T1, 1, 8), torch.bfloat16)
+    for kind, cu_l, kv_l in (
+        ("valid", torch.linspace(0, T1, 401).round().tolist(), [0, 3] * 200),
+        ("scrambled", torch.randint(-T1, 2 * T1 + 1, (31,), generator=g).tolist(), [0, 1] * 15),
+    ):
+        cu, kv = (
+            torch.tensor(cu_l, dtype=torch.int32, device=DEV),
+            torch.tensor(kv_l, dtype=torch.int32, device=DEV),
+        )
+        for lse_kind, lse1 in (("TH", poison((T1, 1))), ("HT", ht(poison((T1, 1))))):
+            run(
+                f"runs a_empty one row a thread {kind} {lse_kind}",
+                lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out1, out_lse=lse1, a_empty=(cu, kv)),
+            )
 
 
 def lying_offsets() -> None:

@@ -389,6 +389,21 @@ def _search_offsets(name, T, seed):
     return _requests(T, _BATCHES[name][1], seed, _BATCHES[name][0])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["TH", "HT"])
+@pytest.mark.parametrize("offsets", ["9 requests", "400 requests", "scrambled 700 requests"])
+def test_a_empty_runs_one_row_a_thread(launched, layout, offsets):
+    """Rows of one pack (H = 1, D = 8 bf16) past the runs' threshold: a long block's rows are
+    2048 tokens, the most its shared search holds (tiles of 8 round the range out with an [H, T]
+    LSE); the window (9 requests) and the plain search, valid and scrambled offsets."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    T = forms.THRESHOLDS["a_empty_runs_spans_per_sm"] * sms * 512 + 1003
+    cu, lens = _search_offsets(offsets, T, 21)
+    _check_a_empty(T, 1, 8, torch.bfloat16, layout, cu, lens, 23, not offsets.startswith("scrambled"))
+    bit = _kernels.F_A_EMPTY | _kernels.F_A_RUN | (_kernels.F_A64 if cu.dtype == torch.int64 else 0)
+    assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
+
+
 def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
     """merge_state(a_empty=(cu, lens)) into NaN outputs, state a NaN on the rows the binary
     search makes empty, against the float64 reference with those rows."""
@@ -422,9 +437,9 @@ def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
 )
 @pytest.mark.parametrize("form", ["runs", "one pass"])
 def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
-    """The gathered form's a_empty in runs of spans (a thread's later tokens answered from its
-    first search, the warp's window over its run or its own, v_a of known empty rows not loaded)
-    and in one span a block (the search shared by the block: the window or the plain search),
+    """The gathered form's a_empty in runs of spans (the block's tokens searched once into shared
+    memory, v_a of rows known empty not loaded after the first span) and in one span a block
+    (the search shared by the block), each by the window or the plain search,
     against the binary search's rows, valid offsets and offsets that lie (out of order: the
     window gives way to the plain search)."""
     T = BIG_T if form == "runs" else _one_pass_t()
