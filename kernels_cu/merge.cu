@@ -486,6 +486,48 @@ __device__ __forceinline__ bool a_empty_of(const void* cu, const void* lens, int
 // the block calls it. Thresholds measured: bench/NOTES.md.
 constexpr unsigned A_SHARED_THREADS = 1u << 19;
 
+// The tokens of a block's threads i0 .. i1 (its rows' packs): [t_lo, t_lo + n) from its first
+// row's token to its last row's (whole tiles of 8 with TILE), n at most MAX.
+template <bool TILE, int MAX>
+__device__ __forceinline__ int block_tokens(unsigned i0, unsigned i1, unsigned packs_mul, int packs_shr, int H,
+                                            unsigned H_mul, int H_shr, unsigned tiled_rows, int& t_lo) {
+  const unsigned r0 = fast_div(i0, packs_mul, packs_shr), r1 = fast_div(i1, packs_mul, packs_shr);
+  int h;
+  t_lo = flat_token<TILE>(r0, H, H_mul, H_shr, tiled_rows, h);
+  int t_hi = flat_token<TILE>(r1, H, H_mul, H_shr, tiled_rows, h);
+  if constexpr (TILE) {
+    if (r0 < tiled_rows) t_lo &= ~7;
+    if (r1 < tiled_rows) t_hi |= 7;
+  }
+  return min(t_hi - t_lo + 1, MAX);
+}
+
+// Whether each of the tokens t_lo .. t_lo + n - 1 is in an empty request, into s_empty: by the
+// block's warps (the window, 32 tokens a warp) or threads (the plain search, one token each);
+// every thread of the block calls it (a barrier at the end).
+template <bool A64, int BLOCK>
+__device__ __forceinline__ void search_tokens(unsigned char* s_empty, const void* cu, const void* lens, int B, int T,
+                                              int t_lo, int n, bool window) {
+  if (window) {
+    for (int j0 = (int)(threadIdx.x & ~31u); j0 < n; j0 += BLOCK) {
+      const int j = min(j0 + (int)(threadIdx.x & 31u), n - 1);
+      const bool e = a_empty_of<A64>(cu, lens, B, T, t_lo + j, true);
+      if (j0 + (int)(threadIdx.x & 31u) < n) s_empty[j] = e;
+    }
+  } else {
+    for (int j = (int)threadIdx.x; j < n; j += BLOCK) s_empty[j] = a_row_empty<A64>(cu, lens, B, T, t_lo + j);
+  }
+  __syncthreads();
+}
+
+// token t's answer from search_tokens; outside the range (none by construction): its own search
+template <bool A64>
+__device__ __forceinline__ bool searched_token(const unsigned char* s_empty, const void* cu, const void* lens, int B,
+                                               int T, int t_lo, int n, int t) {
+  const int j = t - t_lo;
+  return (unsigned)j < (unsigned)n ? s_empty[j] != 0 : a_row_empty<A64>(cu, lens, B, T, t);
+}
+
 template <bool A64, int BLOCK, bool TILE>
 __device__ __forceinline__ bool token_empty(const void* cu, const void* lens, int B, int T, int t, int rows,
                                             int packs, unsigned packs_mul, int packs_shr, int H, unsigned H_mul,
@@ -496,27 +538,10 @@ __device__ __forceinline__ bool token_empty(const void* cu, const void* lens, in
   __shared__ unsigned char s_empty[SPAN];
   const unsigned i0 = blockIdx.x * (unsigned)BLOCK;
   const unsigned i1 = min(i0 + (unsigned)BLOCK, (unsigned)rows * (unsigned)packs) - 1u;
-  const unsigned r0 = fast_div(i0, packs_mul, packs_shr), r1 = fast_div(i1, packs_mul, packs_shr);
-  int h;
-  int t_lo = flat_token<TILE>(r0, H, H_mul, H_shr, tiled_rows, h);
-  int t_hi = flat_token<TILE>(r1, H, H_mul, H_shr, tiled_rows, h);
-  if constexpr (TILE) {
-    if (r0 < tiled_rows) t_lo &= ~7;
-    if (r1 < tiled_rows) t_hi |= 7;
-  }
-  const int ntok = min(t_hi - t_lo + 1, SPAN);
-  if (window) {  // a warp for 32 tokens (the window)
-    for (int j0 = (int)(threadIdx.x & ~31u); j0 < ntok; j0 += BLOCK) {
-      const int j = min(j0 + (int)(threadIdx.x & 31u), ntok - 1);
-      const bool e = a_empty_of<A64>(cu, lens, B, T, t_lo + j, true);
-      if (j0 + (int)(threadIdx.x & 31u) < ntok) s_empty[j] = e;
-    }
-  } else {
-    for (int j = (int)threadIdx.x; j < ntok; j += BLOCK) s_empty[j] = a_row_empty<A64>(cu, lens, B, T, t_lo + j);
-  }
-  __syncthreads();
-  const int j = t - t_lo;  // outside the range (none by construction): the thread's own search
-  return (unsigned)j < (unsigned)ntok ? s_empty[j] != 0 : a_row_empty<A64>(cu, lens, B, T, t);
+  int t_lo;
+  const int ntok = block_tokens<TILE, SPAN>(i0, i1, packs_mul, packs_shr, H, H_mul, H_shr, tiled_rows, t_lo);
+  search_tokens<A64, BLOCK>(s_empty, cu, lens, B, T, t_lo, ntok, window);
+  return searched_token<A64>(s_empty, cu, lens, B, T, t_lo, ntok, t);
 }
 
 // The four loads of pack d / VEC of row (t, h), issued before any arithmetic, then the merge and
@@ -698,7 +723,7 @@ __device__ __forceinline__ void merge_flat_run(
   const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
   unsigned tiled_rows = 0;  // rows in tiles of 8 tokens (flat_token)
   if constexpr (TILE) tiled_rows = ((unsigned)T & ~7u) * (unsigned)H;
-  // the block's tokens: from its first row's to its last row's (whole tiles of 8 with TILE)
+  // the block's tokens (block_tokens's lines, written again: through it this form's SASS changed)
   const unsigned r0 = fast_div(first * (unsigned)BLOCK, packs_mul, packs_shr);
   const unsigned r1 = fast_div(min((first + spans) * (unsigned)BLOCK, total) - 1u, packs_mul, packs_shr);
   int h_any;
@@ -709,23 +734,6 @@ __device__ __forceinline__ void merge_flat_run(
     if (r1 < tiled_rows) t_hi |= 7;
   }
   const int ntok = min(t_hi - t_lo + 1, NTOK);
-  const auto search = [&]() {  // every thread of the block calls it (a barrier inside)
-    if (a_windowed(o.a_batch)) {  // a warp for 32 tokens (the window)
-      for (int j0 = (int)(threadIdx.x & ~31u); j0 < ntok; j0 += BLOCK) {
-        const int j = min(j0 + (int)(threadIdx.x & 31u), ntok - 1);
-        const bool e = a_empty_of<A64>(o.a_cu, o.a_lens, o.a_batch, T, t_lo + j, true);
-        if (j0 + (int)(threadIdx.x & 31u) < ntok) s_empty[j] = e;
-      }
-    } else {
-      for (int j = (int)threadIdx.x; j < ntok; j += BLOCK)
-        s_empty[j] = a_row_empty<A64>(o.a_cu, o.a_lens, o.a_batch, T, t_lo + j);
-    }
-    __syncthreads();
-  };
-  const auto empty_at = [&](int t) {  // outside the range (none by construction): the thread's own search
-    const int j = t - t_lo;
-    return (unsigned)j < (unsigned)ntok ? s_empty[j] != 0 : a_row_empty<A64>(o.a_cu, o.a_lens, o.a_batch, T, t);
-  };
   for (unsigned j = 0; j < spans; ++j) {
     // merge_flat's row, pack and token, written again: the plain form's early return sits
     // between them there, and a shared helper changed that form's SASS
@@ -737,15 +745,15 @@ __device__ __forceinline__ void merge_flat_run(
     int h32;
     const int t32 = flat_token<TILE>(row, H, H_mul, H_shr, tiled_rows, h32);
     const bool known = j > 0;  // the block's search is done (the same for the block)
-    const bool empty = known && empty_at(t32);
+    const bool empty = known && searched_token<A64>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, t32);
     bool keep = live;
     const RowCoef c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, int>(
         live, t32, h32, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
         out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep,
         [&](int t) {
           if (known) return empty;
-          search();
-          return empty_at(t);
+          search_tokens<A64, BLOCK>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, a_windowed(o.a_batch));
+          return searched_token<A64>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, t);
         },
         !(known && (empty || t32 >= prefix_rows)));
     store_float_if(keep && p == 0 && olse != nullptr, olse, t32 * ol_st + h32 * ol_sh, c.lse);
