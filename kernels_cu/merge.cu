@@ -482,8 +482,9 @@ __device__ __forceinline__ bool a_empty_of(const void* cu, const void* lens, int
 // block's tokens t_lo .. t_lo + ntok - 1 (those of its first and last live rows; in tiles of 8
 // with TILE) are searched by its first warps (the window, 32 tokens a warp) or threads (the plain
 // search, one token each) into shared memory; after a barrier every thread reads its token's
-// answer. Smaller grids (a few waves, latency-bound) search in each warp. Called after the thread's loads are issued; every thread of
-// the block calls it. Thresholds measured: bench/NOTES.md.
+// answer. Smaller grids (a few waves, latency-bound) search in each warp. Called after the
+// thread's loads are issued; every thread of the block calls it. Thresholds measured:
+// bench/NOTES.md.
 constexpr unsigned A_SHARED_THREADS = 1u << 19;
 
 // The tokens of a block's threads i0 .. i1 (its rows' packs): [t_lo, t_lo + n) from its first
