@@ -698,12 +698,13 @@ __device__ __forceinline__ void merge_flat(
 // first L blocks take A_RUN_SPANS consecutive spans of BLOCK packs each, the grid's last blocks
 // (its tail, so that no SM waits on long blocks at the end) one span each; the host launches
 // G = L + S - L K blocks for S spans, so L = ceil((S - G) / (K - 1)). The block's tokens (those
-// its spans reach) are searched once into shared memory, while the first span's loads are in
-// flight, by its warps (the window) or threads (the plain search, one token each), as
-// token_empty does for one span; after its barrier every later span knows before its loads
-// whether a row uses state a, and a row of an empty request (or past prefix_rows) does not load
-// v_a. Output LSEs from each row's pack-0 thread (the gathered store's barrier per span cost
-// more than it saved).
+// its spans reach) are searched once into shared memory before any of its loads, by its first
+// warps (the window, 32 tokens a warp) or threads (the plain search, one token each); after the
+// barrier every span knows before its loads whether a row uses state a, and a row of an empty
+// request (or past prefix_rows) does not load v_a. Searched while the first span's loads were in
+// flight, the search spilled a pending LSE load and waited on it (bench/NOTES.md, entry 58).
+// Output LSEs from each row's pack-0 thread (the gathered store's barrier per span cost more
+// than it saved).
 constexpr unsigned A_RUN_SPANS = 4;
 
 template <typename Tin, typename Tout, int VEC, int BLOCK, bool TILE, int FEAT>
@@ -735,6 +736,7 @@ __device__ __forceinline__ void merge_flat_run(
     if (r1 < tiled_rows) t_hi |= 7;
   }
   const int ntok = min(t_hi - t_lo + 1, NTOK);
+  search_tokens<A64, BLOCK>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, a_windowed(o.a_batch));
   for (unsigned j = 0; j < spans; ++j) {
     // merge_flat's row, pack and token, written again: the plain form's early return sits
     // between them there, and a shared helper changed that form's SASS
@@ -745,18 +747,12 @@ __device__ __forceinline__ void merge_flat_run(
     const int p = live ? (int)(i - row0 * (unsigned)packs) : 0;
     int h32;
     const int t32 = flat_token<TILE>(row, H, H_mul, H_shr, tiled_rows, h32);
-    const bool known = j > 0;  // the block's search is done (the same for the block)
-    const bool empty = known && searched_token<A64>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, t32);
+    const bool empty = searched_token<A64>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, t32);
     bool keep = live;
     const RowCoef c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, int>(
         live, t32, h32, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
-        out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep,
-        [&](int t) {
-          if (known) return empty;
-          search_tokens<A64, BLOCK>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, a_windowed(o.a_batch));
-          return searched_token<A64>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, t);
-        },
-        !(known && (empty || t32 >= prefix_rows)));
+        out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep, [&](int) { return empty; },
+        !(empty || t32 >= prefix_rows));
     store_float_if(keep && p == 0 && olse != nullptr, olse, t32 * ol_st + h32 * ol_sh, c.lse);
   }
 }

@@ -438,7 +438,7 @@ def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
 @pytest.mark.parametrize("form", ["runs", "one pass"])
 def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
     """The gathered form's a_empty in runs of spans (the block's tokens searched once into shared
-    memory, v_a of rows known empty not loaded after the first span) and in one span a block
+    memory before the loads, v_a of rows known empty not loaded) and in one span a block
     (the search shared by the block), each by the window or the plain search,
     against the binary search's rows, valid offsets and offsets that lie (out of order: the
     window gives way to the plain search)."""

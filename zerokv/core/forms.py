@@ -35,9 +35,9 @@ THRESHOLDS = {
     "empty_rows_blocks_per_sm": 1,
     # a_empty on the gathered form in runs of spans (F_A_RUN) from this many spans of 512 packs
     # per SM (8 waves of 4 blocks; T = 1056 at H = 128, D = 128 bf16), the grid's last
-    # `a_empty_run_tail_per_sm` blocks per SM (one wave) one span each (entries 56, 57)
+    # `a_empty_run_tail_per_sm` blocks per SM (two waves) one span each (entries 56-58)
     "a_empty_runs_spans_per_sm": 32,
-    "a_empty_run_tail_per_sm": 4,
+    "a_empty_run_tail_per_sm": 8,
 }
 ROW_GROUP_MAX = 128  # lanes of a row group at most: one block (kernels_cu/merge.cu)
 

@@ -150,8 +150,8 @@ MERGE_STATE = Kernel(
 # class, for inputs and output of one dtype (fp8 outputs: from each input dtype); calls with
 # several options, or another pair of dtypes, take merge_state_kernel.
 F_A_EMPTY, F_A64, F_SINKS, F_ROW_MASK, F_OUT_SCALE, F_GROUP_FP8 = 1, 2, 4, 8, 16, 32
-# with F_A_EMPTY, the gathered form: blocks take runs of A_RUN_SPANS spans of packs, search their
-# tokens once, and after the first span a row of an empty request does not load v_a (merge.cu's
+# with F_A_EMPTY, the gathered form: blocks take runs of A_RUN_SPANS spans of packs and search
+# their tokens once, before their loads; a row of an empty request does not load v_a (merge.cu's
 # merge_flat_run; forms.py picks it)
 F_A_RUN = 64
 A_RUN_SPANS = 4  # merge.cu's A_RUN_SPANS
