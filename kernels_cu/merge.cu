@@ -694,17 +694,19 @@ __device__ __forceinline__ void merge_flat(
   }
 }
 
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // a_empty in runs of spans (F_A_RUN; the gathered form from bench/NOTES.md's threshold): the
 // first L blocks take A_RUN_SPANS consecutive spans of BLOCK packs each, the grid's last blocks
 // (its tail, so that no SM waits on long blocks at the end) one span each; the host launches
 // G = L + S - L K blocks for S spans, so L = ceil((S - G) / (K - 1)). The block's tokens (those
-// its spans reach) are searched once into shared memory before any of its loads, by its first
-// warps (the window, 32 tokens a warp) or threads (the plain search, one token each); after the
-// barrier every span knows before its loads whether a row uses state a, and a row of an empty
-// request (or past prefix_rows) does not load v_a. Searched while the first span's loads were in
-// flight, the search spilled a pending LSE load and waited on it (bench/NOTES.md, entry 58).
-// Output LSEs from each row's pack-0 thread (the gathered store's barrier per span cost more
-// than it saved).
+// its spans reach) are searched once into shared memory before any of its loads (span 0's v_b
+// and LSEs prefetched to L2 meanwhile), by its first warps (the window, 32 tokens a warp) or
+// threads (the plain search, one token each); after the barrier every span knows before its
+// loads whether a row uses state a, and a row of an empty request (or past prefix_rows) does
+// not load v_a. Searched while the first span's loads were in flight, the search spilled a
+// pending LSE load and waited on it (bench/NOTES.md, entry 58). Output LSEs from each row's
+// pack-0 thread (the gathered store's barrier per span cost more than it saved).
 constexpr unsigned A_RUN_SPANS = 4;
 
 template <typename Tin, typename Tout, int VEC, int BLOCK, bool TILE, int FEAT>
@@ -736,6 +738,23 @@ __device__ __forceinline__ void merge_flat_run(
     if (r1 < tiled_rows) t_hi |= 7;
   }
   const int ntok = min(t_hi - t_lo + 1, NTOK);
+  {
+    // span 0's v_b and LSEs on their way to L2 while the block searches: a prefetch holds no
+    // register, so the search still needs no spill (the first wave otherwise waits with nothing
+    // in flight; bench/NOTES.md, entry 58)
+    const unsigned i = first * (unsigned)BLOCK + threadIdx.x;
+    const unsigned row0 = fast_div(i, packs_mul, packs_shr);
+    if (row0 < (unsigned)rows) {
+      const int p = (int)(i - row0 * (unsigned)packs);
+      int h;
+      const int t = flat_token<TILE>(row0, H, H_mul, H_shr, tiled_rows, h);
+      prefetch_l2(vb + (t * vb_st + h * vb_sh + p * VEC));
+      if (p == 0) {
+        prefetch_l2(sa + (t * sa_st + h * sa_sh));
+        prefetch_l2(sb + (t * sb_st + h * sb_sh));
+      }
+    }
+  }
   search_tokens<A64, BLOCK>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, a_windowed(o.a_batch));
   for (unsigned j = 0; j < spans; ++j) {
     // merge_flat's row, pack and token, written again: the plain form's early return sits
