@@ -268,7 +268,7 @@ def flat_options(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) ->
 
 def _a_empty_runs(c: MergeCall, dev: Device, form: Form, feat: int) -> Form:
     """The gathered a_empty form in runs of spans (F_A_RUN) on grids of many waves: a row of an
-    empty request skips its v_a load there (entries 56, 57); ``form`` otherwise."""
+    empty request skips its v_a load there (entries 56-58); ``form`` otherwise."""
     block = _kernels.MERGE_STATE_FLAT_GATHERED.block
     if c.T * c.H * (c.D // c.vec) < THRESHOLDS["a_empty_runs_spans_per_sm"] * dev.sms * block:
         return form
