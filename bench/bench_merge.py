@@ -237,9 +237,10 @@ def _requests(torch: Any, T: int, frac: float, dev: Any, seed: int) -> tuple[Any
 
 
 def run_options(T: int, b: Bench) -> list[Row]:
-    """Each option of merge_state beside the plain merge of the same tensors (bf16, LSE [T, H]),
-    and beside the two launches it replaces (fixup + plain merge for ``a_empty``). Bytes are the
-    plain merge's for every row, so that % of copy compares times."""
+    """Each option of merge_state beside the plain merge of the same tensors (bf16, LSE [T, H];
+    the plain merge and ``a_empty`` also with the LSEs [H, T]), and beside the two launches it
+    replaces (fixup + plain merge for ``a_empty``). Bytes are the plain merge's for every row, so
+    that % of copy compares times."""
     torch, dev = b.torch, b.device
     H, D = OPTIONS_H, OPTIONS_D
     nbytes = merge_bytes("bf16", T, H, D)
@@ -261,6 +262,12 @@ def run_options(T: int, b: Bench) -> list[Row]:
     mask = torch.rand(T, device=dev) < 0.9
     scale = torch.tensor([0.02], device=dev)
     sets = Sets(K, lambda k: (va[k], sa[k], vb[k], sb[k], out[k], lse[k], out8[k], scales[k]))
+    # the same values with the LSEs laid [H, T] (vLLM's and FlashAttention's): a_empty's forms
+    # differ by layout (tiles), so its rows come in both
+    sa_ht, sb_ht, lse_ht = (x.transpose(1, 2).contiguous() for x in (sa, sb, lse))
+    sets_ht = Sets(
+        K, lambda k: (va[k], sa_ht[k].T, vb[k], sb_ht[k].T, out[k], lse_ht[k].T, out8[k], scales[k])
+    )
     merge_two = _merge_two()
 
     def plain(va, sa, vb, sb, o, ol, o8, bs):
@@ -321,7 +328,16 @@ def run_options(T: int, b: Bench) -> list[Row]:
     if baselines.triton_runs(b.dry):
         impls.append((TRITON, triton_group(False), {"option": "group_fp8", "scale_format": "float32"}))
         impls.append((TRITON, triton_group(True), {"option": "group_fp8", "scale_format": "ue8m0"}))
-    entries = [Entry(name, fn, sets, None, params) for name, fn, params in impls]
+    entries = [Entry(name, fn, sets, None, {**params, "layout": "TH"}) for name, fn, params in impls]
+    ht = [
+        (ZEROKV, plain, {"option": "none"}),
+        *((ZEROKV, a_empty(f), {"option": "a_empty", "empty": f}) for f in (0.0, 0.25, 0.5)),
+        *(
+            ("zerokv fixup + merge", fixup_then_plain(f), {"option": "a_empty", "empty": f})
+            for f in (0.25, 0.5)
+        ),
+    ]
+    entries += [Entry(name, fn, sets_ht, None, {**params, "layout": "HT"}) for name, fn, params in ht]
     return b.measure("merge_options", entries, nbytes, **fields)
 
 

@@ -171,17 +171,22 @@ def test_merge_states_form_serves_every_token_count_of_its_interval(N):
 
 @pytest.mark.parametrize("extra", [{}, {"lse_tiles": True}, {"a64": True}])
 def test_a_empty_in_runs_of_spans_from_their_threshold_on(extra):
-    """The gathered a_empty form takes runs of spans (F_A_RUN) from its threshold on; its grid
-    gives the first blocks A_RUN_SPANS spans and the tail one, as merge_flat_run reads it back."""
+    """The gathered a_empty form takes runs of spans (F_A_RUN) from its threshold on, and on every
+    grid with an LSE laid [H, T] (tiles); its grid gives the first blocks A_RUN_SPANS spans and
+    the tail one, as merge_flat_run reads it back."""
     from zerokv.core import kernels
 
     edge = TH["a_empty_runs_spans_per_sm"] * DEV.sms * 512
     base = kernels.F_A_EMPTY | (kernels.F_A64 if extra.get("a64") else 0)
-    below = forms.merge_two(_call(_tokens_for(edge - 128), features=("a_empty",), **extra), DEV, BF16)
-    assert below.kernel.name == "merge_state_flat_gathered_kernel" and below.targs[-1] == base
-    assert below.run_tail == 0
     K, tail = kernels.A_RUN_SPANS, TH["a_empty_run_tail_per_sm"] * DEV.sms
-    for T in (_tokens_for(edge), _tokens_for(edge) + 1, 33000, 123457):
+    low = [_tokens_for(edge - 128), _tokens_for(TH["gathered_threads"]) + 1]  # below the edge
+    above = [_tokens_for(edge), _tokens_for(edge) + 1, 33000, 123457]
+    if not extra.get("lse_tiles"):
+        for T in low:
+            below = forms.merge_two(_call(T, features=("a_empty",), **extra), DEV, BF16)
+            assert below.kernel.name == "merge_state_flat_gathered_kernel" and below.targs[-1] == base
+            assert below.run_tail == 0
+    for T in above + low * bool(extra.get("lse_tiles")):
         form = forms.merge_two(_call(T, features=("a_empty",), **extra), DEV, BF16)
         assert (
             form.kernel.name == "merge_state_flat_gathered_kernel"
@@ -193,6 +198,6 @@ def test_a_empty_in_runs_of_spans_from_their_threshold_on(extra):
         assert forms.launch_grid(form, T) == (G, 1)
         L = min(G, -(-(spans - G) // (K - 1))) if spans > G else 0  # merge_flat_run's reading
         assert L * K + (G - L) >= spans > L * K + (G - L) - 1  # every span once, none past the last block
-        assert G - L == spans - L * K >= tail  # the tail: at least `tail` blocks of one span
+        assert G - L == spans - L * K >= min(tail, spans)  # the tail: `tail` blocks of one span (or all)
     # another option at the same size keeps one span a block
     assert forms.merge_two(_call(33000, features=("sinks",), **extra), DEV, BF16).run_tail == 0

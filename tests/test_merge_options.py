@@ -65,7 +65,15 @@ def test_one_option_takes_the_flat_family_with_its_feature(size, feature):
 def test_a_empty_offsets_width_and_the_tiled_and_64_bit_forms():
     name, targs, _ = _pick(_call(4200, features=("a_empty",), a64=True, lse_tiles=True))
     assert name == "merge_state_flat_gathered_kernel"
-    assert targs == ("zk_bfloat16", "zk_bfloat16", 8, 1, _kernels.F_A_EMPTY | _kernels.F_A64)
+    assert targs == (
+        "zk_bfloat16",
+        "zk_bfloat16",
+        8,
+        1,
+        _kernels.F_A_EMPTY | _kernels.F_A64 | _kernels.F_A_RUN,
+    )
+    name, targs, _ = _pick(_call(4200, features=("a_empty",), a64=True))
+    assert targs == ("zk_bfloat16", "zk_bfloat16", 8, 0, _kernels.F_A_EMPTY | _kernels.F_A64)
     name, targs, _ = _pick(_call(64, features=("sinks",), fits32=False))
     assert (name, targs[-1]) == ("merge_state_flat64_gathered_kernel", _kernels.F_SINKS)
     name, targs, _ = _pick(_call(64, vec=1, features=("row_mask",)))
@@ -438,8 +446,9 @@ def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
 @pytest.mark.parametrize("form", ["runs", "one pass"])
 def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
     """The gathered form's a_empty in runs of spans (the block's tokens searched once into shared
-    memory before the loads, v_a of rows known empty not loaded) and in one span a block
-    (the search shared by the block), each by the window or the plain search,
+    memory before the loads, v_a of rows known empty not loaded) and, below the runs' threshold
+    with an LSE laid [T, H], in one span a block (the search shared by the block), each by the
+    window or the plain search,
     against the binary search's rows, valid offsets and offsets that lie (out of order: the
     window gives way to the plain search)."""
     T = BIG_T if form == "runs" else _one_pass_t()
@@ -450,7 +459,24 @@ def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
     valid = offsets in _BATCHES or offsets.startswith("short ")
     _check_a_empty(T, 8, 128, torch.bfloat16, layout, cu, lens, 11, valid)
     bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if cu.dtype == torch.int64 else 0)
-    bit |= _kernels.F_A_RUN if form == "runs" else 0
+    bit |= _kernels.F_A_RUN if form == "runs" or layout == "HT" else 0  # [H, T]: runs on every grid
+    assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "offsets", ["9 requests", "64 requests", "400 requests", "short requests", "scrambled 33 requests"]
+)
+@pytest.mark.parametrize("T", [4097, 4200])  # 8 heads x 16 packs: 1025 and 1050 spans
+def test_a_empty_runs_of_one_span_with_tiles(launched, offsets, T):
+    """An LSE laid [H, T] takes the runs on the smallest gathered grids too, where every block
+    holds one span (fewer spans than the tail's blocks on this GPU): empty rows' NaN v_a never
+    reaches the output, lying offsets included."""
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    assert forms.THRESHOLDS["a_empty_run_tail_per_sm"] * sms > -(-T * 128 // 512)
+    cu, lens = _search_offsets(offsets, T, 21)
+    _check_a_empty(T, 8, 128, torch.bfloat16, "HT", cu, lens, 23, not offsets.startswith("scrambled"))
+    bit = _kernels.F_A_EMPTY | _kernels.F_A_RUN | (_kernels.F_A64 if cu.dtype == torch.int64 else 0)
     assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
 
 

@@ -34,8 +34,9 @@ THRESHOLDS = {
     # the empty-row ops' persistent grid (entry 20)
     "empty_rows_blocks_per_sm": 1,
     # a_empty on the gathered form in runs of spans (F_A_RUN) from this many spans of 512 packs
-    # per SM (8 waves of 4 blocks; T = 1056 at H = 128, D = 128 bf16), the grid's last
-    # `a_empty_run_tail_per_sm` blocks per SM (two waves) one span each (entries 56-58)
+    # per SM (8 waves of 4 blocks; T = 1056 at H = 128, D = 128 bf16; an LSE laid [H, T]: on
+    # every grid), the grid's last `a_empty_run_tail_per_sm` blocks per SM (two waves) one span
+    # each (entries 56-59)
     "a_empty_runs_spans_per_sm": 32,
     "a_empty_run_tail_per_sm": 8,
 }
@@ -267,10 +268,12 @@ def flat_options(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) ->
 
 
 def _a_empty_runs(c: MergeCall, dev: Device, form: Form, feat: int) -> Form:
-    """The gathered a_empty form in runs of spans (F_A_RUN) on grids of many waves: a row of an
-    empty request skips its v_a load there (entries 56-58); ``form`` otherwise."""
+    """The gathered a_empty form in runs of spans (F_A_RUN): a row of an empty request skips its
+    v_a load there (entries 56-59). With an LSE laid [H, T] on every grid (the one-pass form's
+    tiles cost 7-16 % below the threshold); [T, H] on grids of many waves, ``form`` below."""
     block = _kernels.MERGE_STATE_FLAT_GATHERED.block
-    if c.T * c.H * (c.D // c.vec) < THRESHOLDS["a_empty_runs_spans_per_sm"] * dev.sms * block:
+    few = c.T * c.H * (c.D // c.vec) < THRESHOLDS["a_empty_runs_spans_per_sm"] * dev.sms * block
+    if few and not c.lse_tiles:
         return form
     form = form._replace(
         targs=(*form.targs[:-1], feat | _kernels.F_A_RUN),
