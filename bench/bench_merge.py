@@ -204,6 +204,7 @@ def run_merge_states(N: int, T: int, H: int, D: int, b: Bench) -> list[Row]:
 OPTIONS_T = (256, 2048, 8192)  # quick; full: the merge grid's T from 256 on
 OPTIONS_H, OPTIONS_D = 128, 128
 QUANT_GROUP = 128
+MANY_REQUESTS = 256  # a_empty's batch past the window's 64 requests (the [H, T] rows)
 
 
 def options_grid(mode: str) -> list[int]:
@@ -224,10 +225,11 @@ def options_tasks(b: Bench, part: str) -> list[Task]:
     return out
 
 
-def _requests(torch: Any, T: int, frac: float, dev: Any, seed: int) -> tuple[Any, Any, Any]:
-    """``(cu_seqlens_q, kv_lens, cu_seqlens_kv)`` int32 of equal requests (T / 16 of them up to
-    64, at least 1), a fraction ``frac`` of them with no context (at least one unless 0)."""
-    B = max(1, min(64, T // 16))
+def _requests(torch: Any, T: int, frac: float, dev: Any, seed: int, count: int = 0) -> tuple[Any, Any, Any]:
+    """``(cu_seqlens_q, kv_lens, cu_seqlens_kv)`` int32 of equal requests (``count``, or T / 16
+    of them up to 64, at least 1), a fraction ``frac`` of them with no context (at least one
+    unless 0)."""
+    B = count or max(1, min(64, T // 16))
     g = torch.Generator().manual_seed(seed)
     cu = torch.linspace(0, T, B + 1).round().to(torch.int32)
     kv = torch.randint(1, 4096, (B,), generator=g, dtype=torch.int32)
@@ -238,7 +240,8 @@ def _requests(torch: Any, T: int, frac: float, dev: Any, seed: int) -> tuple[Any
 
 def run_options(T: int, b: Bench) -> list[Row]:
     """Each option of merge_state beside the plain merge of the same tensors (bf16, LSE [T, H];
-    the plain merge and ``a_empty`` also with the LSEs [H, T]), and beside the two launches it
+    the plain merge and ``a_empty`` also with the LSEs [H, T], and there ``a_empty`` with
+    ``MANY_REQUESTS`` requests as well), and beside the two launches it
     replaces (fixup + plain merge for ``a_empty``). Bytes are the plain merge's for every row, so
     that % of copy compares times."""
     torch, dev = b.torch, b.device
@@ -258,6 +261,8 @@ def run_options(T: int, b: Bench) -> list[Row]:
     lse = torch.empty(K, T, H, device=dev)
     scales = torch.empty(K, T, H * D // QUANT_GROUP, device=dev)
     reqs = {f: _requests(torch, T, f, dev, seed=T) for f in (0.0, 0.25, 0.5)}
+    # past 64 requests a_empty's search is the binary one (one round trip a level), not the window
+    many = {f: _requests(torch, T, f, dev, seed=T, count=MANY_REQUESTS) for f in (0.25, 0.5)}
     sinks = torch.randn(H, device=dev)
     mask = torch.rand(T, device=dev) < 0.9
     scale = torch.tensor([0.02], device=dev)
@@ -273,8 +278,8 @@ def run_options(T: int, b: Bench) -> list[Row]:
     def plain(va, sa, vb, sb, o, ol, o8, bs):
         return zerokv.merge_state(va, sa, vb, sb, out=o, out_lse=ol)
 
-    def a_empty(f):
-        cu, kv, _ = reqs[f]
+    def a_empty(f, requests=reqs):
+        cu, kv, _ = requests[f]
         return lambda va, sa, vb, sb, o, ol, o8, bs: zerokv.merge_state(
             va, sa, vb, sb, out=o, out_lse=ol, a_empty=(cu, kv)
         )
@@ -332,6 +337,10 @@ def run_options(T: int, b: Bench) -> list[Row]:
     ht = [
         (ZEROKV, plain, {"option": "none"}),
         *((ZEROKV, a_empty(f), {"option": "a_empty", "empty": f}) for f in (0.0, 0.25, 0.5)),
+        *(
+            (ZEROKV, a_empty(f, many), {"option": "a_empty", "empty": f, "requests": MANY_REQUESTS})
+            for f in (0.25, 0.5)
+        ),
         *(
             ("zerokv fixup + merge", fixup_then_plain(f), {"option": "a_empty", "empty": f})
             for f in (0.25, 0.5)

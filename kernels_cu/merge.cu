@@ -521,6 +521,43 @@ __device__ __forceinline__ void search_tokens(unsigned char* s_empty, const void
   __syncthreads();
 }
 
+// search_tokens past the window (B > 64), in merge_flat_run: the block copies cu and kv_lens into
+// shared memory behind the answers' n bytes (s_empty's free part: no shared memory of its own)
+// in one round trip, and each token's binary search (a_row_empty's, step for step: any offsets
+// give the same rows) reads the copy instead of paying one round trip a level. For batches
+// whose copy fits (staged_fits: about 250 requests with int32 offsets, 125 with int64); every
+// thread calls it (two barriers).
+__device__ __forceinline__ int staged_at(int n) { return (n + 7) & ~7; }  // the copy's first byte: aligned
+
+template <bool A64, int NTOK>
+__device__ __forceinline__ bool staged_fits(int B, int n) {
+  typedef typename OffsetT<A64>::type O;
+  return B > A_WINDOW && staged_at(n) + (2 * B + 1) * (int)sizeof(O) <= NTOK;
+}
+
+template <bool A64, int BLOCK>
+__device__ __forceinline__ void search_tokens_staged(unsigned char* s_empty, const void* cu, const void* lens, int B,
+                                                     int T, int t_lo, int n) {
+  typedef typename OffsetT<A64>::type O;
+  O* s_cu = reinterpret_cast<O*>(s_empty + staged_at(n));
+  O* s_len = s_cu + B + 1;
+  for (int e = (int)threadIdx.x; e <= B; e += BLOCK) {
+    s_cu[e] = (O)offset_at<A64>(cu, e);
+    if (e < B) s_len[e] = (O)offset_at<A64>(lens, e);
+  }
+  __syncthreads();
+  for (int j = (int)threadIdx.x; j < n; j += BLOCK) {
+    const int t = t_lo + j;
+    int lo = 0, hi = B;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if ((i64)s_cu[mid] <= (i64)t) lo = mid; else hi = mid;
+    }
+    s_empty[j] = clip_row((i64)s_cu[lo], T) <= t && t < clip_row((i64)s_cu[lo + 1], T) && s_len[lo] == 0;
+  }
+  __syncthreads();
+}
+
 // token t's answer from search_tokens; outside the range (none by construction): its own search
 template <bool A64>
 __device__ __forceinline__ bool searched_token(const unsigned char* s_empty, const void* cu, const void* lens, int B,
@@ -706,7 +743,8 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // loads whether a row uses state a, and a row of an empty request (or past prefix_rows) does
 // not load v_a. Searched while the first span's loads were in flight, the search spilled a
 // pending LSE load and waited on it (bench/NOTES.md, entry 58). Output LSEs from each row's
-// pack-0 thread (the gathered store's barrier per span cost more than it saved).
+// pack-0 thread (the gathered store's barrier per span cost more than it saved). Past 64
+// requests the search reads a shared copy of the offsets where it fits (search_tokens_staged).
 constexpr unsigned A_RUN_SPANS = 4;
 
 template <typename Tin, typename Tout, int VEC, int BLOCK, bool TILE, int FEAT>
@@ -719,7 +757,7 @@ __device__ __forceinline__ void merge_flat_run(
   constexpr unsigned K = A_RUN_SPANS;
   constexpr bool A64 = (FEAT & F_A64) != 0;
   constexpr int NTOK = (int)K * BLOCK + 32;  // tokens a long block's rows can reach (K BLOCK + 24 in tiles of 8)
-  __shared__ unsigned char s_empty[NTOK];
+  __shared__ __align__(16) unsigned char s_empty[NTOK];  // the answers (and the staged offsets)
   const unsigned total = (unsigned)rows * (unsigned)packs, S = (total + (unsigned)BLOCK - 1u) / (unsigned)BLOCK;
   const unsigned G = gridDim.x, b = blockIdx.x;
   const unsigned L = S > G ? min(G, (S - G + K - 2u) / (K - 1u)) : 0u;
@@ -755,7 +793,10 @@ __device__ __forceinline__ void merge_flat_run(
       }
     }
   }
-  search_tokens<A64, BLOCK>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, a_windowed(o.a_batch));
+  if (!staged_fits<A64, NTOK>(o.a_batch, ntok))
+    search_tokens<A64, BLOCK>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, a_windowed(o.a_batch));
+  else
+    search_tokens_staged<A64, BLOCK>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok);
   for (unsigned j = 0; j < spans; ++j) {
     // merge_flat's row, pack and token, written again: the plain form's early return sits
     // between them there, and a shared helper changed that form's SASS

@@ -353,13 +353,17 @@ def _scaled(case, T=BIG_T):
 
 
 # batches of a_empty's search (merge.cu): (batch, index dtype). Up to 64 requests: the warp's
-# window (masks of two entries a lane); past 64: the plain binary search.
+# window (masks of two entries a lane); past 64: the binary search, in the runs' blocks over a
+# shared copy of the offsets where it fits (65 to 250 requests with int32 offsets, to 125 with
+# int64), else over global memory.
 _BATCHES = {
     "9 requests": (9, torch.int32),
     "32 requests": (32, torch.int64),
     "33 requests": (33, torch.int32),
     "64 requests": (64, torch.int32),
     "65 requests": (65, torch.int64),
+    "120 requests": (120, torch.int64),
+    "250 requests": (250, torch.int32),
     "400 requests": (400, torch.int64),
     "700 requests": (700, torch.int32),
 }
@@ -435,6 +439,7 @@ def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
         *(("TH", c) for c in _BATCHES),
         ("HT", "9 requests"),
         ("HT", "64 requests"),
+        ("HT", "250 requests"),
         ("HT", "400 requests"),
         ("TH", "short requests"),
         ("TH", "short requests int64"),
