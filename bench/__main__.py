@@ -19,8 +19,8 @@ Parts:
   per-group fp8 in both scale formats) beside the plain merge of the same tensors and beside
   fixup + merge; per-group fp8 beside a Triton merge of vLLM's design; the seed pipeline
   (fused ``a_empty`` against vLLM's mask + ``masked_fill_`` + merge). bf16, H = 128, D = 128;
-  LSEs laid [T, H], and [H, T] too for the plain merge, ``a_empty`` and fixup + merge (there
-  ``a_empty`` with 256 requests too: past 64 its search is the binary one).
+  LSEs laid [T, H], and [H, T] too for the plain merge, ``a_empty`` and fixup + merge;
+  ``a_empty`` with 256 requests too (past 64 its search is the binary one).
 * empty_rows: ``fixup_zero_kv_rows`` and ``mask_empty_context`` at 0 to 32768 empty rows
   beside torch eager; an empty kernel launch.
 * host: host µs per call of every op and adapter beside ``torch.mul(a, b, out=c)`` and the

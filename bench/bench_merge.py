@@ -204,7 +204,7 @@ def run_merge_states(N: int, T: int, H: int, D: int, b: Bench) -> list[Row]:
 OPTIONS_T = (256, 2048, 8192)  # quick; full: the merge grid's T from 256 on
 OPTIONS_H, OPTIONS_D = 128, 128
 QUANT_GROUP = 128
-MANY_REQUESTS = 256  # a_empty's batch past the window's 64 requests (the [H, T] rows)
+MANY_REQUESTS = 256  # a_empty's batch past the window's 64 requests
 
 
 def options_grid(mode: str) -> list[int]:
@@ -240,7 +240,7 @@ def _requests(torch: Any, T: int, frac: float, dev: Any, seed: int, count: int =
 
 def run_options(T: int, b: Bench) -> list[Row]:
     """Each option of merge_state beside the plain merge of the same tensors (bf16, LSE [T, H];
-    the plain merge and ``a_empty`` also with the LSEs [H, T], and there ``a_empty`` with
+    the plain merge and ``a_empty`` also with the LSEs [H, T]; ``a_empty`` with
     ``MANY_REQUESTS`` requests as well), and beside the two launches it
     replaces (fixup + plain merge for ``a_empty``). Bytes are the plain merge's for every row, so
     that % of copy compares times."""
@@ -312,6 +312,10 @@ def run_options(T: int, b: Bench) -> list[Row]:
         (ZEROKV, a_empty(0.0), {"option": "a_empty", "empty": 0.0}),
         (ZEROKV, a_empty(0.25), {"option": "a_empty", "empty": 0.25}),
         (ZEROKV, a_empty(0.5), {"option": "a_empty", "empty": 0.5}),
+        *(
+            (ZEROKV, a_empty(f, many), {"option": "a_empty", "empty": f, "requests": MANY_REQUESTS})
+            for f in (0.25, 0.5)
+        ),
         ("zerokv fixup + merge", fixup_then_plain(0.25), {"option": "a_empty", "empty": 0.25}),
         ("zerokv fixup + merge", fixup_then_plain(0.5), {"option": "a_empty", "empty": 0.5}),
         (ZEROKV, lambda va, sa, vb, sb, o, ol, *_: zerokv.merge_state(va, sa, vb, sb, out=o, out_lse=ol, sinks=sinks),
