@@ -524,7 +524,8 @@ __device__ __forceinline__ void search_tokens(unsigned char* s_empty, const void
 // search_tokens past the window (B > 64), in merge_flat_run: the block copies cu and kv_lens into
 // shared memory behind the answers' n bytes (s_empty's free part: no shared memory of its own)
 // in one round trip, and each token's binary search (a_row_empty's, step for step: any offsets
-// give the same rows) reads the copy instead of paying one round trip a level. For batches
+// give the same rows; written again, as a helper over both readers changed the register use of
+// the runs' 12 kernels) reads the copy instead of paying one round trip a level. For batches
 // whose copy fits (staged_fits: about 250 requests with int32 offsets, 125 with int64); every
 // thread calls it (two barriers).
 __device__ __forceinline__ int staged_at(int n) { return (n + 7) & ~7; }  // the copy's first byte: aligned
