@@ -241,7 +241,7 @@ def _requests(torch: Any, T: int, frac: float, dev: Any, seed: int, count: int =
 def run_options(T: int, b: Bench) -> list[Row]:
     """Each option of merge_state beside the plain merge of the same tensors (bf16, LSE [T, H];
     the plain merge and ``a_empty`` also with the LSEs [H, T]; ``a_empty`` with
-    ``MANY_REQUESTS`` requests as well), and beside the two launches it
+    ``MANY_REQUESTS`` requests and with int64 offsets as well), and beside the two launches it
     replaces (fixup + plain merge for ``a_empty``). Bytes are the plain merge's for every row, so
     that % of copy compares times."""
     torch, dev = b.torch, b.device
@@ -263,6 +263,8 @@ def run_options(T: int, b: Bench) -> list[Row]:
     reqs = {f: _requests(torch, T, f, dev, seed=T) for f in (0.0, 0.25, 0.5)}
     # past 64 requests a_empty's search is the binary one (one round trip a level), not the window
     many = {f: _requests(torch, T, f, dev, seed=T, count=MANY_REQUESTS) for f in (0.25, 0.5)}
+    # the same requests with int64 offsets (torch's default integer): other kernels (forms.py)
+    wide = {f: tuple(x.long() for x in reqs[f]) for f in (0.0, 0.25)}
     sinks = torch.randn(H, device=dev)
     mask = torch.rand(T, device=dev) < 0.9
     scale = torch.tensor([0.02], device=dev)
@@ -310,6 +312,8 @@ def run_options(T: int, b: Bench) -> list[Row]:
     many_rows = [
         (ZEROKV, a_empty(f, many), {"option": "a_empty", "empty": f, "requests": MANY_REQUESTS})
         for f in (0.25, 0.5)
+    ] + [
+        (ZEROKV, a_empty(f, wide), {"option": "a_empty", "empty": f, "offsets": "int64"}) for f in (0.0, 0.25)
     ]
     impls: list[tuple[str, Any, dict]] = [
         (ZEROKV, plain, {"option": "none"}),

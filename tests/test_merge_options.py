@@ -72,8 +72,16 @@ def test_a_empty_offsets_width_and_the_tiled_and_64_bit_forms():
         1,
         _kernels.F_A_EMPTY | _kernels.F_A64 | _kernels.F_A_RUN,
     )
-    name, targs, _ = _pick(_call(4200, features=("a_empty",), a64=True))
-    assert targs == ("zk_bfloat16", "zk_bfloat16", 8, 0, _kernels.F_A_EMPTY | _kernels.F_A64)
+    name, targs, _ = _pick(_call(4200, features=("a_empty",), a64=True))  # int64: runs on every grid
+    assert targs == (
+        "zk_bfloat16",
+        "zk_bfloat16",
+        8,
+        0,
+        _kernels.F_A_EMPTY | _kernels.F_A64 | _kernels.F_A_RUN,
+    )
+    name, targs, _ = _pick(_call(4200, features=("a_empty",)))  # int32 [T, H] below the runs' threshold
+    assert targs == ("zk_bfloat16", "zk_bfloat16", 8, 0, _kernels.F_A_EMPTY)
     name, targs, _ = _pick(_call(64, features=("sinks",), fits32=False))
     assert (name, targs[-1]) == ("merge_state_flat64_gathered_kernel", _kernels.F_SINKS)
     name, targs, _ = _pick(_call(64, vec=1, features=("row_mask",)))
@@ -323,7 +331,8 @@ def test_a_empty_on_every_size_class(launched, cls, index_dtype):
     assert_close(out, ro, dtype, "out")
     assert_close(lse, rl, torch.float32, "lse")
     bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if index_dtype == torch.int64 else 0)
-    _expect_kernel(launched, cls, bit | (_kernels.F_A_RUN if cls == "tiled" else 0))  # [H, T]: the runs
+    runs = cls == "tiled" or (cls == "gathered" and index_dtype == torch.int64)  # [H, T] or int64: the runs
+    _expect_kernel(launched, cls, bit | (_kernels.F_A_RUN if runs else 0))
 
 
 BIG_T = 33000  # x 8 heads x 16 packs of bf16: past 2^22 threads, the gathered form in runs of spans
@@ -452,7 +461,7 @@ def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
 def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
     """The gathered form's a_empty in runs of spans (the block's tokens searched once into shared
     memory before the loads, v_a of rows known empty not loaded) and, below the runs' threshold
-    with an LSE laid [T, H], in one span a block (the search shared by the block), each by the
+    with an LSE laid [T, H] and int32 offsets, in one span a block (the search shared by the block), each by the
     window or the plain search,
     against the binary search's rows, valid offsets and offsets that lie (out of order: the
     window gives way to the plain search)."""
@@ -464,7 +473,8 @@ def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
     valid = offsets in _BATCHES or offsets.startswith("short ")
     _check_a_empty(T, 8, 128, torch.bfloat16, layout, cu, lens, 11, valid)
     bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if cu.dtype == torch.int64 else 0)
-    bit |= _kernels.F_A_RUN if form == "runs" or layout == "HT" else 0  # [H, T]: runs on every grid
+    runs = form == "runs" or layout == "HT" or cu.dtype == torch.int64  # [H, T] or int64: runs on every grid
+    bit |= _kernels.F_A_RUN if runs else 0
     assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
 
 

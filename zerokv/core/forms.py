@@ -270,10 +270,12 @@ def flat_options(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) ->
 def _a_empty_runs(c: MergeCall, dev: Device, form: Form, feat: int) -> Form:
     """The gathered a_empty form in runs of spans (F_A_RUN): a row of an empty request skips its
     v_a load there (entries 56-59). With an LSE laid [H, T] on every grid (the one-pass form's
-    tiles cost 7-16 % below the threshold); [T, H] on grids of many waves, ``form`` below."""
+    tiles cost 7-16 % below the threshold), and with int64 offsets (the one-pass form spills
+    its loads in flight there: 1.34-1.39 x the plain merge, the runs 1.03-1.09 x; entry 61);
+    [T, H] with int32 offsets on grids of many waves, ``form`` below."""
     block = _kernels.MERGE_STATE_FLAT_GATHERED.block
     few = c.T * c.H * (c.D // c.vec) < THRESHOLDS["a_empty_runs_spans_per_sm"] * dev.sms * block
-    if few and not c.lse_tiles:
+    if few and not c.lse_tiles and not feat & _kernels.F_A64:
         return form
     form = form._replace(
         targs=(*form.targs[:-1], feat | _kernels.F_A_RUN),

@@ -242,7 +242,8 @@ MERGE_STATE_FLAT_GATHERED = Kernel(
         for ci, i in _V
         for co, f in feature_pairs(ci, vec(i), runs=True)
         for tile in (0, 1)
-        if not (tile and f in SAME_DTYPE_FEATURES[:2])  # a_empty with tiles: runs only (forms.py)
+        # a_empty in one pass: int32 offsets with the rows in token order only (else runs; forms.py)
+        if not ((tile or f & F_A64) and f in SAME_DTYPE_FEATURES[:2])
     ),
     block=512,
     params=MERGE_STATE_FLAT.params,
