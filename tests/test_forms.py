@@ -169,10 +169,10 @@ def test_merge_states_form_serves_every_token_count_of_its_interval(N):
         assert _same_form(got, first) and forms.launch_grid(first, T) == (got.grid, got.grid_y), T
 
 
-@pytest.mark.parametrize("extra", [{}, {"lse_tiles": True}, {"a64": True}])
+@pytest.mark.parametrize("extra", [{}, {"lse_tiles": True}, {"a64": True}, {"a_many": True}])
 def test_a_empty_in_runs_of_spans_from_their_threshold_on(extra):
     """The gathered a_empty form takes runs of spans (F_A_RUN) from its threshold on, and on every
-    grid with an LSE laid [H, T] (tiles) or int64 offsets; its grid gives the first blocks A_RUN_SPANS spans and
+    grid with an LSE laid [H, T] (tiles), int64 offsets or more requests than the window; its grid gives the first blocks A_RUN_SPANS spans and
     the tail one, as merge_flat_run reads it back."""
     from zerokv.core import kernels
 
@@ -181,7 +181,7 @@ def test_a_empty_in_runs_of_spans_from_their_threshold_on(extra):
     K, tail = kernels.A_RUN_SPANS, TH["a_empty_run_tail_per_sm"] * DEV.sms
     low = [_tokens_for(edge - 128), _tokens_for(TH["gathered_threads"]) + 1]  # below the edge
     above = [_tokens_for(edge), _tokens_for(edge) + 1, 33000, 123457]
-    every_grid = bool(extra.get("lse_tiles") or extra.get("a64"))
+    every_grid = bool(extra)  # [H, T], int64 offsets, more requests than the window: runs on every grid
     if not every_grid:
         for T in low:
             below = forms.merge_two(_call(T, features=("a_empty",), **extra), DEV, BF16)

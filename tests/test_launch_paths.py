@@ -493,3 +493,24 @@ def test_inference_outputs_under_inference_mode_take_the_cheap_check(recorded, m
     with pytest.raises(ValueError, match="out: is an inference tensor"):
         zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=torch.empty(T, H))
     assert recorded == []
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_a_empty_past_the_window_takes_the_runs(recorded, index_dtype):
+    """[T, H] below the runs' threshold: up to A_WINDOW requests (int32) the one-pass form, past
+    them (its search would go to global memory) and with int64 offsets the runs; the batch's
+    class is part of the form's key on the first call of a signature and on the generated one."""
+    T, H, D = 4200, 8, 128
+    va, sa, vb, sb = _states(T, H, D)
+    out, lse = torch.empty_like(va), torch.empty(T, H)
+    W = _kernels.A_WINDOW
+    for B in (W, W + 1, W, W + 1, 1, 400):
+        cu = torch.linspace(0, T, B + 1).round().to(index_dtype)
+        lens = torch.arange(B, dtype=index_dtype) % 3
+        zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, a_empty=(cu, lens))
+        name, targs, _, args = recorded[-1]
+        runs = B > W or index_dtype == torch.int64
+        assert name == "merge_state_flat_gathered_kernel" and args["a_batch"] == B
+        assert targs[-1] == _kernels.F_A_EMPTY | (_kernels.F_A64 if index_dtype == torch.int64 else 0) | (
+            _kernels.F_A_RUN if runs else 0
+        ), (B, targs)

@@ -461,7 +461,8 @@ def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
 def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
     """The gathered form's a_empty in runs of spans (the block's tokens searched once into shared
     memory before the loads, v_a of rows known empty not loaded) and, below the runs' threshold
-    with an LSE laid [T, H] and int32 offsets, in one span a block (the search shared by the block), each by the
+    with an LSE laid [T, H], int32 offsets and at most 64 requests, in one span a block (the search shared
+    by the block), each by the
     window or the plain search,
     against the binary search's rows, valid offsets and offsets that lie (out of order: the
     window gives way to the plain search)."""
@@ -473,7 +474,8 @@ def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
     valid = offsets in _BATCHES or offsets.startswith("short ")
     _check_a_empty(T, 8, 128, torch.bfloat16, layout, cu, lens, 11, valid)
     bit = _kernels.F_A_EMPTY | (_kernels.F_A64 if cu.dtype == torch.int64 else 0)
-    runs = form == "runs" or layout == "HT" or cu.dtype == torch.int64  # [H, T] or int64: runs on every grid
+    # [H, T], int64 offsets or more requests than the window: runs on every grid
+    runs = form == "runs" or layout == "HT" or cu.dtype == torch.int64 or lens.numel() > _kernels.A_WINDOW
     bit |= _kernels.F_A_RUN if runs else 0
     assert any(n == "merge_state_flat_gathered_kernel" and t[-1] == bit for n, t in launched), launched
 

@@ -126,6 +126,7 @@ class MergeCall(NamedTuple):
     lse_tiles: bool  # the LSE written (else the first read) has unit stride along tokens only
     a64: bool = False  # a_empty's offsets are int64
     quant_group: int = 0  # per-group fp8: values of one group (a power of two, 16-128)
+    a_many: bool = False  # a_empty with more requests than a warp's window takes (kernels.A_WINDOW)
 
 
 def _div(d: int) -> tuple[int, int]:
@@ -271,11 +272,13 @@ def _a_empty_runs(c: MergeCall, dev: Device, form: Form, feat: int) -> Form:
     """The gathered a_empty form in runs of spans (F_A_RUN): a row of an empty request skips its
     v_a load there (entries 56-59). With an LSE laid [H, T] on every grid (the one-pass form's
     tiles cost 7-16 % below the threshold), and with int64 offsets (the one-pass form spills
-    its loads in flight there: 1.34-1.39 x the plain merge, the runs 1.03-1.09 x; entry 61);
-    [T, H] with int32 offsets on grids of many waves, ``form`` below."""
+    its loads in flight there: 1.34-1.39 x the plain merge, the runs 1.03-1.09 x), and past the
+    window's requests (the one-pass form's search in global memory: 1.31-1.37 x, the runs'
+    shared copy 1.06-1.16 x; entry 61); [T, H] with int32 offsets and at most A_WINDOW requests
+    on grids of many waves, ``form`` below."""
     block = _kernels.MERGE_STATE_FLAT_GATHERED.block
     few = c.T * c.H * (c.D // c.vec) < THRESHOLDS["a_empty_runs_spans_per_sm"] * dev.sms * block
-    if few and not c.lse_tiles and not feat & _kernels.F_A64:
+    if few and not c.lse_tiles and not feat & _kernels.F_A64 and not c.a_many:
         return form
     form = form._replace(
         targs=(*form.targs[:-1], feat | _kernels.F_A_RUN),

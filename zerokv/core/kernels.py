@@ -155,6 +155,9 @@ F_A_EMPTY, F_A64, F_SINKS, F_ROW_MASK, F_OUT_SCALE, F_GROUP_FP8 = 1, 2, 4, 8, 16
 # merge_flat_run; forms.py picks it)
 F_A_RUN = 64
 A_RUN_SPANS = 4  # merge.cu's A_RUN_SPANS
+# a_empty's requests that a warp's window takes (merge.cu's A_WINDOW); past them the one-pass form
+# searches global memory, one round trip a level, and the runs a shared copy (forms.py)
+A_WINDOW = 64
 # with F_GROUP_FP8: log2 of the packs of one group in bits 7-9, so that the kernel's shuffles and
 # scale index are compiled for the group's size (the g_shr parameter goes unused there)
 F_GROUP_SHIFT = 7

@@ -20,6 +20,7 @@ from . import device as _device
 from . import dtypes as _dtypes
 from . import facts as _facts
 from . import forms as _forms
+from . import kernels as _kernels
 from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
@@ -219,6 +220,7 @@ class TwoPlan(Plan):
         self._setup(v, v["va"].dtype, v["out"], f.sig[-2], f.torch)
         given = (v["cu"], v["mask"], v["scale"], v["sinks"], v["block_scale"])
         self.features = frozenset(n for n, x in zip(_FEATURES, given, strict=True) if x is not None)
+        self.a_empty = "a_empty" in self.features
         self.consts.suffix_verbatim = int(bool(scalars[2]))
         self.consts.a_is64 = int(v["cu"] is not None and v["cu"].dtype == "int64")
         self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
@@ -251,16 +253,18 @@ class TwoPlan(Plan):
         else:
             inplace, tiles = False, f.sa_st == 1 and f.sa_sh != 1
         key = (T, H, D, inplace, fits, s32, tiles)
+        if self.a_empty:  # its batch past the window or not (two_call's key too)
+            key += (f.a_batch > _kernels.A_WINDOW,)
         form, launcher, bind, _ = self.forms.get(key) or self.form_entry(key, H, D, self._form)
         grid, grid_y = _forms.launch_grid(form, T)
         launcher.launch(grid, grid_y, self.stream(self.device), bind, f, form, self.consts)
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
-        T, H, D, inplace, fits, s32, tiles = key
+        T, H, D, inplace, fits, s32, tiles, *many = key
         c = _forms.MergeCall(
             T, H, D, self.vec, self.in_dtype, self.out_dtype, self.features, inplace, fits, s32, tiles,
-            bool(self.consts.a_is64), self.quant_group,
+            bool(self.consts.a_is64), self.quant_group, bool(many and many[0]),
         )  # fmt: skip
         return _forms.merge_two(c, self.dev, self.ctypes), _facts.TwoFacts, None
 

@@ -177,10 +177,13 @@ def _launch(src: Source, plan: Any, given: list) -> None:
     every parameter packed by name, the launch."""
     add = src.add
     lse_out = src.outputs(plan, 4, given)
+    many = f", nc > {_kernels.A_WINDOW + 1}" if given[6] else ""  # a_empty: past the window (TwoPlan.finish)
     if lse_out:
-        add("    key = (T, H, D, pl == psa or pl == psb, widest < INT32, st_or < INT32, l0 == 1 and l1 != 1)")
+        add(
+            f"    key = (T, H, D, pl == psa or pl == psb, widest < INT32, st_or < INT32, l0 == 1 and l1 != 1{many})"
+        )
     else:
-        add("    key = (T, H, D, False, widest < INT32, st_or < INT32, sa0 == 1 and sa1 != 1)")
+        add(f"    key = (T, H, D, False, widest < INT32, st_or < INT32, sa0 == 1 and sa1 != 1{many})")
     add("    form, launcher, _, _ = FORMS.get(key) or P.form_entry(key, H, D, P._form)")
     add("    kernel = form.kernel")
     values = dict(_LOCALS)
