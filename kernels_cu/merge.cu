@@ -778,7 +778,7 @@ __device__ __forceinline__ void merge_flat_run(
   }
   const int ntok = min(t_hi - t_lo + 1, NTOK);
   // span 0's row, pack and token, found before the search: after its barrier only the loads are
-  // left on the path (the index math there cost 3-6 % at T = 256; bench/NOTES.md, entry 61)
+  // left on the path (the index math there cost 1-6 % at T = 256; bench/NOTES.md, entry 61)
   bool live0;
   int p0, t0, h0;
   {
