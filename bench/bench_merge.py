@@ -309,18 +309,20 @@ def run_options(T: int, b: Bench) -> list[Row]:
             va, sa, vb, sb, o8, ol, bs, QUANT_GROUP, ue8m0
         )
 
-    many_rows = [
-        (ZEROKV, a_empty(f, many), {"option": "a_empty", "empty": f, "requests": MANY_REQUESTS})
-        for f in (0.25, 0.5)
-    ] + [
-        (ZEROKV, a_empty(f, wide), {"option": "a_empty", "empty": f, "offsets": "int64"}) for f in (0.0, 0.25)
+    # a_empty's other search paths, in both layouts: past the window, and int64 offsets
+    search_rows = [
+        *(
+            (ZEROKV, a_empty(f, many), {"option": "a_empty", "empty": f, "requests": MANY_REQUESTS})
+            for f in many
+        ),
+        *((ZEROKV, a_empty(f, wide), {"option": "a_empty", "empty": f, "offsets": "int64"}) for f in wide),
     ]
     impls: list[tuple[str, Any, dict]] = [
         (ZEROKV, plain, {"option": "none"}),
         (ZEROKV, a_empty(0.0), {"option": "a_empty", "empty": 0.0}),
         (ZEROKV, a_empty(0.25), {"option": "a_empty", "empty": 0.25}),
         (ZEROKV, a_empty(0.5), {"option": "a_empty", "empty": 0.5}),
-        *many_rows,
+        *search_rows,
         ("zerokv fixup + merge", fixup_then_plain(0.25), {"option": "a_empty", "empty": 0.25}),
         ("zerokv fixup + merge", fixup_then_plain(0.5), {"option": "a_empty", "empty": 0.5}),
         (ZEROKV, lambda va, sa, vb, sb, o, ol, *_: zerokv.merge_state(va, sa, vb, sb, out=o, out_lse=ol, sinks=sinks),
@@ -346,7 +348,7 @@ def run_options(T: int, b: Bench) -> list[Row]:
     ht = [
         (ZEROKV, plain, {"option": "none"}),
         *((ZEROKV, a_empty(f), {"option": "a_empty", "empty": f}) for f in (0.0, 0.25, 0.5)),
-        *many_rows,
+        *search_rows,
         *(
             ("zerokv fixup + merge", fixup_then_plain(f), {"option": "a_empty", "empty": f})
             for f in (0.25, 0.5)

@@ -777,25 +777,29 @@ __device__ __forceinline__ void merge_flat_run(
     if (r1 < tiled_rows) t_hi |= 7;
   }
   const int ntok = min(t_hi - t_lo + 1, NTOK);
-  // span 0's row, pack and token, found before the search: after its barrier only the loads are
-  // left on the path (the index math there cost 1-6 % at T = 256; bench/NOTES.md, entry 61)
-  bool live0;
-  int p0, t0, h0;
-  {
-    const unsigned i = first * (unsigned)BLOCK + threadIdx.x;
+  // the thread's row of span j (past the last row: row 0, nothing stored), its pack and token:
+  // merge_flat's lines, written again (the plain form's early return sits between them there,
+  // and a shared helper changed that form's SASS)
+  const auto span_row = [&](unsigned j, bool& live, int& p, int& h) {
+    const unsigned i = (first + j) * (unsigned)BLOCK + threadIdx.x;
     const unsigned row0 = fast_div(i, packs_mul, packs_shr);
-    live0 = row0 < (unsigned)rows;
-    p0 = live0 ? (int)(i - row0 * (unsigned)packs) : 0;
-    t0 = flat_token<TILE>(live0 ? row0 : 0u, H, H_mul, H_shr, tiled_rows, h0);  // past the last row: row 0
-    // span 0's v_b and LSEs on their way to L2 while the block searches: a prefetch holds no
-    // register, so the search still needs no spill (the first wave otherwise waits with nothing
-    // in flight; bench/NOTES.md, entry 58)
-    if (live0) {
-      prefetch_l2(vb + (t0 * vb_st + h0 * vb_sh + p0 * VEC));
-      if (p0 == 0) {
-        prefetch_l2(sa + (t0 * sa_st + h0 * sa_sh));
-        prefetch_l2(sb + (t0 * sb_st + h0 * sb_sh));
-      }
+    live = row0 < (unsigned)rows;
+    p = live ? (int)(i - row0 * (unsigned)packs) : 0;
+    return flat_token<TILE>(live ? row0 : 0u, H, H_mul, H_shr, tiled_rows, h);
+  };
+  // span 0's, found before the search: after its barrier only the loads are left on the path
+  // (the index math there cost 1-6 % at T = 256; bench/NOTES.md, entry 61)
+  bool live0;
+  int p0, h0;
+  const int t0 = span_row(0u, live0, p0, h0);
+  // span 0's v_b and LSEs on their way to L2 while the block searches: a prefetch holds no
+  // register, so the search still needs no spill (the first wave otherwise waits with nothing in
+  // flight; bench/NOTES.md, entry 58)
+  if (live0) {
+    prefetch_l2(vb + (t0 * vb_st + h0 * vb_sh + p0 * VEC));
+    if (p0 == 0) {
+      prefetch_l2(sa + (t0 * sa_st + h0 * sa_sh));
+      prefetch_l2(sb + (t0 * sb_st + h0 * sb_sh));
     }
   }
   if (!staged_fits<A64, NTOK>(o.a_batch, ntok))
@@ -803,18 +807,9 @@ __device__ __forceinline__ void merge_flat_run(
   else
     search_tokens_staged<A64, BLOCK>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok);
   for (unsigned j = 0; j < spans; ++j) {
-    // merge_flat's row, pack and token, written again: the plain form's early return sits
-    // between them there, and a shared helper changed that form's SASS
     bool live = live0;
     int p = p0, t32 = t0, h32 = h0;
-    if (j > 0) {
-      const unsigned i = (first + j) * (unsigned)BLOCK + threadIdx.x;
-      const unsigned row0 = fast_div(i, packs_mul, packs_shr);
-      live = row0 < (unsigned)rows;
-      p = live ? (int)(i - row0 * (unsigned)packs) : 0;
-      // past the last row: row 0, nothing stored
-      t32 = flat_token<TILE>(live ? row0 : 0u, H, H_mul, H_shr, tiled_rows, h32);
-    }
+    if (j > 0) t32 = span_row(j, live, p, h32);
     const bool empty = searched_token<A64>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, t32);
     bool keep = live;
     const RowCoef c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, int>(

@@ -172,8 +172,8 @@ def test_merge_states_form_serves_every_token_count_of_its_interval(N):
 @pytest.mark.parametrize("extra", [{}, {"lse_tiles": True}, {"a64": True}, {"a_many": True}])
 def test_a_empty_in_runs_of_spans_from_their_threshold_on(extra):
     """The gathered a_empty form takes runs of spans (F_A_RUN) from its threshold on, and on every
-    grid with an LSE laid [H, T] (tiles), int64 offsets or more requests than the window; its grid gives the first blocks A_RUN_SPANS spans and
-    the tail one, as merge_flat_run reads it back."""
+    grid with an LSE laid [H, T] (tiles), int64 offsets or more requests than the window; its grid
+    gives the first blocks A_RUN_SPANS spans and the tail one, as merge_flat_run reads it back."""
     from zerokv.core import kernels
 
     edge = TH["a_empty_runs_spans_per_sm"] * DEV.sms * 512

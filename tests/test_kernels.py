@@ -160,8 +160,9 @@ def test_fast_divisor_rejects_divisors_it_cannot_serve(d):
 
 
 def test_feature_bits_and_run_spans_are_those_of_merge_cu():
-    """FEAT's bits, merge_flat_run's spans a block and the window's requests, as kernels.py and forms.py use them, are
-    the constants merge.cu compiles (a bit moved on one side only would launch another option)."""
+    """FEAT's bits, merge_flat_run's spans a block and the window's requests, as kernels.py and
+    forms.py use them, are the constants merge.cu compiles (a bit moved on one side only would
+    launch another option)."""
     text = _sources.source("merge")
     c_values = {m[1]: int(m[2]) for m in re.finditer(r"constexpr (?:int|unsigned) (\w+) = (\d+);", text)}
     names = [n for n in dir(_kernels) if n.startswith("F_") or n in ("A_RUN_SPANS", "A_WINDOW")]

@@ -461,10 +461,9 @@ def _check_a_empty(T, H, D, dtype, layout, cu, lens, seed, some_empty):
 def test_a_empty_search_on_many_rows(launched, layout, offsets, form):
     """The gathered form's a_empty in runs of spans (the block's tokens searched once into shared
     memory before the loads, v_a of rows known empty not loaded) and, below the runs' threshold
-    with an LSE laid [T, H], int32 offsets and at most 64 requests, in one span a block (the search shared
-    by the block), each by the
-    window or the plain search,
-    against the binary search's rows, valid offsets and offsets that lie (out of order: the
+    with an LSE laid [T, H], int32 offsets and at most 64 requests, in one span a block (the
+    search shared by the block), each by the window or the plain search, against the binary
+    search's rows, valid offsets and offsets that lie (out of order: the
     window gives way to the plain search)."""
     T = BIG_T if form == "runs" else _one_pass_t()
     if offsets in _BATCHES or offsets.startswith(("scrambled ", "short ")):

@@ -261,10 +261,10 @@ class TwoPlan(Plan):
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
-        T, H, D, inplace, fits, s32, tiles, *many = key
+        T, H, D, inplace, fits, s32, tiles = key[:7]
         c = _forms.MergeCall(
             T, H, D, self.vec, self.in_dtype, self.out_dtype, self.features, inplace, fits, s32, tiles,
-            bool(self.consts.a_is64), self.quant_group, bool(many and many[0]),
+            bool(self.consts.a_is64), self.quant_group, key[7:] == (True,),  # a_empty past the window
         )  # fmt: skip
         return _forms.merge_two(c, self.dev, self.ctypes), _facts.TwoFacts, None
 
