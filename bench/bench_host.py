@@ -223,7 +223,7 @@ def launch_floor(b: Bench) -> Callable[..., None]:
         "pack_into": pack_into, "buf": buf, "size": size, "nbytes": nbytes, "cu_launch": cu_launch,
         "handle": handle, "stream_of": stream_of, "extra": extra, "pm": pm, "ps": ps, "hm": hm, "hs": hs,
     }  # fmt: skip
-    exec(compile(src, "<floor>", "exec"), scope)  # packed by name, as zerokv's generated calls
+    exec(compile(src, "<floor>", "exec"), scope)  # packed by name, as zerokv's bound calls
     floor = scope["floor"]
     return floor
 
@@ -458,33 +458,7 @@ def first_calls(b: Bench) -> list[Row]:
                     us.append((time.perf_counter() - t) * 1e6)
     row = Row(op="host_first", impl="merge_state, first call of a new signature", dtype="bf16", H=H, D=D, T=T)  # fmt: skip
     row.us, row.stats = statistics.median(us), {"calls_us": us, "max_us": max(us)}
-    return [row, _first_of_a_pattern(b, va, sa, vb, sb)]
-
-
-def _first_of_a_pattern(b: Bench, va: object, sa: object, vb: object, sb: object) -> Row:
-    """µs of a first call whose generated call's source is compiled too: the first signature of
-    its pattern (which tensors are given, layout flags) in a process (zerokv.core.codegen)."""
-    import zerokv
-    from zerokv.core import codegen, plans
-
-    torch, dev = b.torch, b.device
-    T, H, D = va.shape
-    us = []
-    for _ in range(3):
-        for prefix in (None, T // 2):
-            for with_lse in (False, True):
-                out = torch.empty(T, H, D, dtype=torch.bfloat16, device=dev)
-                lse = torch.empty(T, H, device=dev) if with_lse else None
-                plans.clear_plans()  # the kernels stay loaded
-                codegen.forget_sources()
-                b.sync()
-                t = time.perf_counter()
-                zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, prefix_rows=prefix)
-                b.sync()
-                us.append((time.perf_counter() - t) * 1e6)
-    row = Row(op="host_first", impl="... of a new pattern (its call's source compiled)", dtype="bf16", H=H, D=D, T=T)  # fmt: skip
-    row.us, row.stats = statistics.median(us), {"calls_us": us, "max_us": max(us)}
-    return row
+    return [row]
 
 
 # --- compile ----------------------------------------------------------------------------------

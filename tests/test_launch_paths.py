@@ -33,6 +33,10 @@ class _Recorder:
         bind(_launch._arena.buf, *records)
         self.fire(grid, grid_y, stream)
 
+    def launch_values(self, grid, grid_y, stream, values):
+        self.kernel.packer.pack_into(_launch._arena.buf, 0, *values)
+        self.fire(grid, grid_y, stream)
+
     def fire(self, grid, grid_y, stream):
         """What a launch of the arguments packed in this thread's buffer would launch."""
         values = self.kernel.packer.unpack_from(_launch._arena.buf)

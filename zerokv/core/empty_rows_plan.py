@@ -1,5 +1,5 @@
-"""The empty-row ops' one path: the signature's generated call (:mod:`zerokv.core.rows_call`),
-else the facts, the plan of the signature and the full validation; launch.
+"""The empty-row ops' one path: the signature's bound call (:mod:`zerokv.core.bound`), else the
+facts, the plan of the signature and the full validation; launch.
 
 Both rules (``kernels.RULE_*``) share empty_rows_kernel; the rule and the offsets' widths are
 template arguments, so they are part of the signature.
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from . import binding as _binding
+from . import bound as _bound
 from . import checks as _checks
 from . import cpu_path as _cpu
 from . import device as _device
@@ -17,7 +19,7 @@ from . import facts as _facts
 from . import forms as _forms
 from . import kernels as _kernels
 from . import plans as _plans
-from . import rows_call as _rows_call
+from . import spec as _spec
 from .layout import INT32
 from .tensors import view
 
@@ -29,10 +31,10 @@ _NAMES = {
 
 def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
     """``objs``: (out, lse, cu_q, lens); ``names``: how the caller calls them (messages). The
-    generated calls of recent signatures first (:mod:`rows_call`), then the plan of the call's
+    bound calls of recent signatures first, then the plan of the call's
     signature: its call, or the full validation and the launch."""
     key = ("empty_rows", rule)
-    done, calls = _plans.recent_call(key, (objs,))  # the calls of the signatures met last
+    done, calls = _plans.recent_call(key, objs, ())  # the bound calls of the signatures met last
     if done:
         return
     f = _facts.read_rows(objs)
@@ -43,7 +45,7 @@ def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
         _cpu.empty_rows(v, rule_offsets=rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         return
     plan = _plans.get(("empty_rows", rule, f.sig)) or _new_plan(f, rule, names)
-    if not _plans.plan_call(key, plan, (objs,), calls):
+    if not _plans.plan_call(key, plan, objs, (), calls):
         plan.slow(f, rule, names)
 
 
@@ -101,10 +103,11 @@ class Plan:
         self.stream = _device.torch_stream if f.torch else _device.cupy_stream
         self.torch, self.out_dtype = f.torch, o.dtype
         self.grids: dict = {}  # (T, H, D) -> the grid of that size
-        self.call = _rows_call.generate(self, f.objs)
+        self.in_size = self.out_size
+        self.bound = _bind(self, f.objs, rule, targs)
 
     def slow(self, f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> None:
-        """A call the generated one did not take: the full checks (raising with the caller's
+        """A call the bound call did not take: the full checks (raising with the caller's
         names), then the launch."""
         validate(f.objs, rule, names or _NAMES[rule])
         T, H, D = f.T, f.H, f.D
@@ -119,3 +122,30 @@ class Plan:
             self.grids.clear()
         grid = self.grids[T, H, D] = _forms.empty_rows_grid(T, H, D, self.vec, self.dev)
         return grid
+
+
+def _bind(plan: Plan, objs: tuple, rule: int, targs: tuple) -> _bound.BoundCall | None:
+    """The bound call of an empty-rows signature: the spec's records; nothing to launch when no
+    row or no request; the form of ``(H, D)`` serves every T."""
+    if _binding.family(plan, objs) is None:
+        return None
+    A = _bound
+    t = _binding.Table()
+    spec = _spec.MASK_EMPTY_CONTEXT if rule == _kernels.RULE_CONTEXT_SPAN_EMPTY else _spec.FIXUP_ZERO_KV_ROWS
+    t.args(spec, objs, plan)
+    T, H, D = t.sym["T"], t.sym["H"], t.sym["D"]
+    t.add(A.OP_RANGE, T, 0, INT32)
+    t.add(A.OP_DONE_IF_ZERO, t.arith(A.A_MUL, t.arith(A.A_MUL, T, H), t.sym["B"]))
+    t.add(A.OP_RANGE, D, 1, INT32)
+    regs = dict(t.regs)
+    regs["batch"] = t.sym["B"]
+    hd = t.arith(A.A_MUL, H, D)
+    regs["flat"] = t.arith(A.A_AND, t.arith(A.A_EQ, regs["out_sh"], D), t.arith(A.A_EQ, regs["out_st"], hd))
+    t.add(A.OP_KEY, T, 2, H, D)
+
+    def resolve(T_: int, rest: tuple) -> _bound.Entry:
+        H_, D_ = rest
+        form = _forms.empty_rows_form(H_, D_, plan.vec, plan.dev, targs)
+        return _bound.make_entry(plan.launcher, form, 0, INT32, regs, {"q_is64": plan.consts.q_is64})
+
+    return t.bound(spec.name, plan, 4, resolve)

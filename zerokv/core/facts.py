@@ -1,5 +1,5 @@
 """Reading a call's arguments once into a named record of facts: a signature's first call, and
-the calls its generated call (:mod:`zerokv.core.codegen`) does not take.
+the calls its bound call (:mod:`zerokv.core.bound`) does not take.
 
 Each op has its record: for every tensor its pointer, strides and shape under the names of
 the kernels' parameters (``va``, ``va_st``, ``va_sh``, ...), so that a launch packs them by

@@ -67,6 +67,7 @@ class Form(NamedTuple):
     g_shr: int = 0  # per-group fp8: log2 of the packs of one group
     per_token: int = 0  # threads per token: grid = ceil(T per_token / block); 0: grid_y = T
     run_tail: int = 0  # F_A_RUN: blocks of one span at the grid's end (the others take A_RUN_SPANS)
+    cap: int = 0  # per_token forms: at most this many blocks (0: no cap)
 
 
 def launch_grid(form: Form, T: int) -> tuple[int, int]:
@@ -76,6 +77,8 @@ def launch_grid(form: Form, T: int) -> tuple[int, int]:
     if not pt:
         return form.grid, T
     spans = -(-T * pt // form.kernel.block)
+    if form.cap:
+        return min(spans, form.cap), 1
     if form.run_tail:  # the first blocks take A_RUN_SPANS spans each (merge.cu's merge_flat_run)
         spans -= max(0, (spans - form.run_tail) // _kernels.A_RUN_SPANS) * (_kernels.A_RUN_SPANS - 1)
     return spans, 1
@@ -342,6 +345,14 @@ def merge_states(N: int, T: int, H: int, D: int, vec: int, dev: Device, targs: t
         lanes, g_shr = max(lanes, packs), packs.bit_length() - 1
     k = _kernels.MERGE_STATES
     return Form(k, targs, _ceil(T * H * lanes, k.block), lanes=lanes, g_shr=g_shr, per_token=H * lanes)
+
+
+def empty_rows_form(H: int, D: int, vec: int, dev: Device, targs: tuple) -> Form:
+    """The empty-rows kernel's form for any T (``empty_rows_grid`` as a form)."""
+    k = _kernels.EMPTY_ROWS
+    return Form(
+        k, targs, 0, per_token=H * max(1, D // vec), cap=THRESHOLDS["empty_rows_blocks_per_sm"] * dev.sms
+    )
 
 
 def empty_rows_grid(T: int, H: int, D: int, vec: int, dev: Device) -> int:

@@ -88,6 +88,11 @@ class Launcher:
         bind(_arena.buf, *records)
         self.fire(grid, grid_y, stream)
 
+    def launch_values(self, grid: int, grid_y: int, stream: int, values: tuple) -> None:
+        """Launch with ``values``, every parameter in the kernel's order (a bound call's)."""
+        self.pack_into(_arena.buf, 0, *values)
+        self.fire(grid, grid_y, stream)
+
     def fire(self, grid: int, grid_y: int, stream: int) -> None:
         """``cuLaunchKernel`` of the arguments packed in this thread's buffer."""
         a = _arena

@@ -1,10 +1,9 @@
-"""The two-way merge's one path: the generated call of the call's signature
-(:mod:`zerokv.core.two_call`: read, cheap check, form, pack by name, launch), found among the
-recent ones of the call's scalar arguments, else through the facts and the plan of its
-signature.
+"""The two-way merge's one path: the bound call of the call's signature (:mod:`zerokv.core.bound`,
+derived from the spec: read, cheap check, form, pack by name, launch), found among the recent
+ones of the call's scalar arguments, else through the facts and the plan of its signature.
 
 A plan is built (and the call fully validated, :mod:`zerokv.core.merge_checks`) on the first
-call of a signature; a call its generated call does not take runs the full validation, which
+call of a signature; a call its bound call does not take runs the full validation, which
 raises with the caller's argument names or lets a valid call through its exact rules. Host
 tensors take the CPU path after the same validation.
 """
@@ -14,6 +13,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from . import binding as _binding
+from . import bound as _bound
 from . import checks as _checks
 from . import cpu_path as _cpu
 from . import device as _device
@@ -24,7 +25,7 @@ from . import kernels as _kernels
 from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
-from . import two_call as _two_call
+from . import spec as _spec
 from .layout import INT32, extent, vec
 
 _FORM_CACHE_LIMIT = 4096  # (T, H, D, layout) entries a plan remembers; past it, it starts again
@@ -144,8 +145,8 @@ def two(
         lse_base, prefix_rows is None, suffix_verbatim, out is None if allocate_lse is None else allocate_lse,
         quant_group, scale_format, lse_ht is not None,
     )  # fmt: skip
-    try:  # the generated calls of the signatures met last with these scalars
-        r, calls = _plans.recent_call(scalars, (objs, prefix_rows))
+    try:  # the bound calls of the signatures met last with these scalars
+        r, calls = _plans.recent_call(scalars, objs, (prefix_rows,))
     except TypeError:  # an unhashable lse_base (an array): the full checks name it
         _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, scalars[4:6])
         raise
@@ -155,7 +156,7 @@ def two(
     if f is None or f.device < 0:
         return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
     plan = _plans.get((scalars, f.sig)) or _new_plan(f, scalars, prefix_rows, names, lse_ht)
-    r = _plans.plan_call(scalars, plan, (objs, prefix_rows), calls)
+    r = _plans.plan_call(scalars, plan, objs, (prefix_rows,), calls)
     return r if r is not None else plan.slow(f, prefix_rows, names, scalars, lse_ht)
 
 
@@ -228,11 +229,10 @@ class TwoPlan(Plan):
         self.idx_size = 8 if self.consts.a_is64 else 4
         self.mask_size = 1
         self.allocate_lse = scalars[3]
-        self.may_alias = self.in_dtype == self.out_dtype  # an exact alias of v_a / v_b
-        self.call = _two_call.generate(self, f.objs, lse_ht is not None, scalars[1])
+        self.bound = _bind_two(self, f.objs, lse_ht is not None, scalars[1])
 
     def slow(self, f: _facts.TwoFacts, prefix_rows: Any, names: dict | None, scalars: tuple, lse_ht: Any):
-        """A call the generated one did not take: the full checks (raising with the caller's
+        """A call the bound call did not take: the full checks (raising with the caller's
         names), then the exact widths of any layout they accept, then the launch."""
         _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6])
         f.prefix_rows = f.T if prefix_rows is None else prefix_rows
@@ -253,7 +253,7 @@ class TwoPlan(Plan):
         else:
             inplace, tiles = False, f.sa_st == 1 and f.sa_sh != 1
         key = (T, H, D, inplace, fits, s32, tiles)
-        if self.a_empty:  # its batch past the window or not (two_call's key too)
+        if self.a_empty:  # its batch past the window or not (the bound call's key too)
             key += (f.a_batch > _kernels.A_WINDOW,)
         form, launcher, bind, _ = self.forms.get(key) or self.form_entry(key, H, D, self._form)
         grid, grid_y = _forms.launch_grid(form, T)
@@ -293,3 +293,78 @@ def widest_span(tensors: list, floor: int) -> tuple[int, bool]:
         widest = max(widest, (hi - lo) // size)
         s32 = s32 and all(-INT32 <= s < INT32 for s in strides)
     return widest, s32
+
+
+def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _bound.BoundCall | None:
+    """The bound call of a two-way signature: the spec's records, ``prefix_rows``, the form
+    key ``(T, H, D, in-place LSE, spans fit 32 bits, strides fit 32 bits, LSE tiles[, batch
+    past the window])`` and the outputs left None allocated."""
+    if _binding.family(plan, objs) is None:
+        return None
+    t = _binding.Table()
+    t.args(_spec.MERGE_STATE, objs, plan, lse_ht)
+    A = _bound
+    T, H, D = t.sym["T"], t.sym["H"], t.sym["D"]
+    t.positive("T", "H", "D")
+    if prefix_none:
+        t.regs["prefix_rows"] = T
+    else:
+        t.regs["prefix_rows"] = pr = t.reg()
+        t.add(A.OP_SCALAR, 0, pr, A.R_ZERO, T)
+    if "a_batch" in t.sym or "B" in t.sym:
+        t.regs["a_batch"] = t.sym["B"]
+    if len(objs) > 11 and objs[11] is not None:  # groups of quant_group values
+        g = t.arith(A.A_MUL, t.sym["G"], k=plan.quant_group)
+        t.add(A.OP_EQ, g, t.arith(A.A_MUL, H, t.arith(A.A_MUL, D, k=1)))
+    t.regs["rows"] = rows = t.arith(A.A_MUL, T, H)
+    results, allocators = (4, 5), []
+    if objs[4] is None:
+        k = _alloc_block(t, "out")
+        t.add(A.OP_ALLOC, 4, len(allocators), k, 3, T, H, D)
+        allocators.append(_allocator(plan, False))
+    if objs[5] is None and plan.allocate_lse:
+        k = _alloc_block(t, "out_lse")
+        t.add(A.OP_ALLOC, 5, len(allocators), k, 2, T, H)
+        allocators.append(_allocator(plan, True))
+    widest = t.arith(A.A_MAX, A.R_WIDEST, t.arith(A.A_MUL, rows, D))
+    if objs[5] is not None or plan.allocate_lse:
+        pl, l0, l1 = t.regs["olse"], t.regs["ol_st"], t.regs["ol_sh"]
+        inplace = t.arith(A.A_OR, t.arith(A.A_EQ, pl, t.regs["sa"]), t.arith(A.A_EQ, pl, t.regs["sb"]))
+    else:
+        l0, l1 = t.regs["sa_st"], t.regs["sa_sh"]
+        inplace = A.R_ZERO
+    tiles = t.arith(A.A_AND, t.arith(A.A_EQ, l0, k=1), t.arith(A.A_NE, l1, k=1))
+    key = [H, D, inplace, t.arith(A.A_LT, widest, k=INT32), t.arith(A.A_LT, A.R_STOR, k=INT32), tiles]
+    if plan.a_empty:  # its batch past the window or not (TwoPlan.finish's key too)
+        key.append(t.arith(A.A_GT, t.sym["B"], k=_kernels.A_WINDOW))
+    t.add(A.OP_KEY, T, len(key), *key)
+    regs = dict(t.regs)
+
+    def resolve(T_: int, rest: tuple) -> _bound.Entry:
+        key_ = (T_, *(int(x) if i < 2 else bool(x) for i, x in enumerate(rest)))
+        form, launcher, _, _ = plan.forms.get(key_) or plan.form_entry(key_, rest[0], rest[1], plan._form)
+        return _binding.entry_for(regs, plan, form, launcher, T_, rest[0], rest[1])
+
+    return t.bound("merge_state", plan, 12, resolve, results, tuple(allocators))
+
+
+def _alloc_block(t: _binding.Table, name: str) -> int:
+    """A tensor block for an output allocated by the call, its parameters' registers named."""
+    k = t.n_tensors
+    t.n_tensors += 1
+    base = _bound.tensor_base(k)
+    params = {"out": ("out", "out_st", "out_sh"), "out_lse": ("olse", "ol_st", "ol_sh")}[name]
+    t.regs[params[0]] = base
+    t.regs[params[1]], t.regs[params[2]] = base + _bound.T_STRIDE, base + _bound.T_STRIDE + 1
+    return k
+
+
+def _allocator(plan: Plan, lse: bool):
+    """``(shape, like) -> (output, pointer)``: a new output of the plan's family."""
+    ptr = (lambda x: x.data_ptr()) if plan.torch else _outputs.ptr
+
+    def alloc(shape: tuple, like: Any) -> tuple:
+        x = plan.new(like, shape, lse)
+        return x, ptr(x)
+
+    return alloc

@@ -6,22 +6,25 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from . import binding as _binding
+from . import bound as _bound
 from . import cpu_path as _cpu
 from . import facts as _facts
 from . import forms as _forms
+from . import kernels as _kernels
 from . import merge_checks as _merge_checks
-from . import n_call as _n_call
 from . import plans as _plans
+from . import spec as _spec
 from .layout import INT32
-from .merge_plans import Plan, cpu_outputs, host_only, widest_span
+from .merge_plans import Plan, _alloc_block, _allocator, cpu_outputs, host_only, widest_span
 
 
 def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     """``objs``: (v, s, out, out_lse, out_scale, sinks[, out_block_scale]); ``scalars``:
     (lse_base, allocate_lse, (quant_group, scale_format))."""
     key = ("n", scalars)
-    try:  # the generated calls of the signatures met last with these scalars
-        r, calls = _plans.recent_call(key, (objs,))
+    try:  # the bound calls of the signatures met last with these scalars
+        r, calls = _plans.recent_call(key, objs, ())
     except TypeError:  # an unhashable lse_base (an array): the full checks name it
         _merge_checks.n(objs, scalars[0], _quant(scalars))
         raise
@@ -31,7 +34,7 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     if f is None or f.device < 0:
         return _cpu_n(objs, scalars)
     plan = _plans.get(("n", scalars, f.sig)) or _new_plan(f, scalars)
-    r = _plans.plan_call(key, plan, (objs,), calls)
+    r = _plans.plan_call(key, plan, objs, (), calls)
     return r if r is not None else plan.slow(f, scalars)
 
 
@@ -67,10 +70,10 @@ class NPlan(Plan):
         self.scale, self.sinks = v["scale"] is not None, v["sinks"] is not None
         self.allocate_lse = scalars[1]
         self.consts.prefix_rows = 0
-        self.call = _n_call.generate(self, f.objs)
+        self.bound = _bind_n(self, f.objs)
 
     def slow(self, f: _facts.NFacts, scalars: tuple) -> tuple[Any, Any]:
-        """A call the generated one did not take: the full checks (raising with the caller's
+        """A call the bound call did not take: the full checks (raising with the caller's
         names), the exact widths of any layout they accept, then the launch."""
         _merge_checks.n(f.objs, scalars[0], _quant(scalars))
         widest, s32 = _exact_n(f, self)
@@ -136,3 +139,53 @@ def _exact_n(f: _facts.NFacts, plan: NPlan) -> tuple[int, bool]:
     if f.ol_shape is not None:
         tensors.append((f.olse, (T, H), (f.ol_st, f.ol_sh), 4))
     return widest_span(tensors, T * H * max(D, 1))
+
+
+def _bind_n(plan: NPlan, objs: tuple) -> _bound.BoundCall | None:
+    """The bound call of an N-way signature: the spec's records, the form key ``(T, N, H, D,
+    spans fit 32 bits, strides fit 32 bits, LSE tiles)``, the outputs left None allocated; a
+    two-way form reads states 0 and 1 (``_as_two``'s registers)."""
+    if _binding.family(plan, objs) is None:
+        return None
+    A = _bound
+    t = _binding.Table()
+    t.args(_spec.MERGE_STATES, objs, plan)
+    N, T, H, D = (t.sym[n] for n in "NTHD")
+    t.positive("N", "T", "H", "D")
+    if len(objs) > 6 and objs[6] is not None:  # groups of quant_group values
+        g = t.arith(A.A_MUL, t.sym["G"], k=plan.group)
+        t.add(A.OP_EQ, g, t.arith(A.A_MUL, H, D))
+    if objs[2] is None:
+        t.add(A.OP_ALLOC, 2, 0, _alloc_block(t, "out"), 3, T, H, D)
+    if objs[3] is None and plan.allocate_lse:
+        t.add(A.OP_ALLOC, 3, 1, _alloc_block(t, "out_lse"), 2, T, H)
+    rows = t.arith(A.A_MUL, T, H)
+    widest = t.arith(A.A_MAX, A.R_WIDEST, t.arith(A.A_MUL, rows, D))
+    if objs[3] is not None or plan.allocate_lse:
+        l0, l1 = t.regs["ol_st"], t.regs["ol_sh"]
+    else:
+        l0, l1 = t.regs["s_st"], t.regs["s_sh"]
+    tiles = t.arith(A.A_AND, t.arith(A.A_EQ, l0, k=1), t.arith(A.A_NE, l1, k=1))
+    key = [N, H, D, t.arith(A.A_LT, widest, k=INT32), t.arith(A.A_LT, A.R_STOR, k=INT32), tiles]
+    regs = dict(t.regs)
+    two = {  # states 0 and 1 as a two-way form's a and b
+        **regs, "va": regs["v"], "va_st": regs["v_st"], "va_sh": regs["v_sh"], "vb_st": regs["v_st"],
+        "vb_sh": regs["v_sh"], "sa": regs["s"], "sa_st": regs["s_st"], "sa_sh": regs["s_sh"],
+        "sb_st": regs["s_st"], "sb_sh": regs["s_sh"], "rows": rows, "prefix_rows": T,
+        "vb": t.arith(A.A_ADD, regs["v"], t.arith(A.A_MUL, regs["v_sn"], k=plan.in_size)),
+        "sb": t.arith(A.A_ADD, regs["s"], t.arith(A.A_MUL, regs["s_sn"], k=4)),
+    }  # fmt: skip
+    for name in ("a_cu", "a_lens", "a_batch", "row_mask", "sinks", "out_scale"):
+        two[name] = A.R_ZERO
+    t.add(A.OP_KEY, T, len(key), *key)
+
+    def resolve(T_: int, rest: tuple) -> _bound.Entry:
+        N_, H_, D_ = rest[:3]
+        key_ = (T_, N_, H_, D_, *(bool(x) for x in rest[3:]))
+        form, launcher, _, _ = plan.forms.get(key_) or plan.form_entry(key_, H_, D_, plan._form)
+        names = regs if form.kernel is _kernels.MERGE_STATES else two
+        return _binding.entry_for(names, plan, form, launcher, T_, H_, D_)
+
+    return t.bound(
+        "merge_states", plan, 7, resolve, (2, 3), (_allocator(plan, False), _allocator(plan, True))
+    )

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from . import compiler as _compiler
+from . import executor as _executor
 from . import launch as _launch
 
 _plans: dict[Any, Any] = {}
@@ -41,35 +42,36 @@ def lookup(key: Any, build: Callable[[], Any]) -> Any:
 
 get = _plans.get  # the plan stored under a key, or None: the calls' one lookup
 
-# scalar arguments -> the generated calls (two_call) of the signatures met last with them,
-# latest first: a call tries these before it reads its signature
+# scalar arguments -> the bound calls of the signatures met last with them, latest first: a
+# call tries these before it reads its signature
 recent: dict[Any, tuple] = {}
 RECENT = 8
 
 
-def recent_call(key: Any, args: tuple) -> tuple[Any, tuple | None]:
-    """``(result, calls)``: the result of the first of ``key``'s recent generated calls that
-    takes ``args`` (None when none does) and those calls. An unhashable key raises TypeError."""
+def recent_call(key: Any, objs: tuple, scalars: tuple) -> tuple[Any, tuple | None]:
+    """``(result, calls)``: the result of the first of ``key``'s recent bound calls that takes
+    the call (None when none does) and those calls. An unhashable key raises TypeError."""
     calls = recent.get(key)
     if calls:
-        for call in calls:
-            r = call(*args)
+        run = _executor.run
+        for bc in calls:
+            r = run(bc, objs, scalars)
             if r is not None:
                 return r, calls
     return None, calls
 
 
-def plan_call(key: Any, plan: Any, args: tuple, calls: tuple | None) -> Any:
-    """The result of ``plan``'s generated call on ``args`` unless it was among ``calls`` (tried
-    already) or does not take them (None); a call it takes puts it first among ``key``'s."""
-    call = plan.call
-    if call is None or (calls and call in calls):
+def plan_call(key: Any, plan: Any, objs: tuple, scalars: tuple, calls: tuple | None) -> Any:
+    """The result of ``plan``'s bound call on the call unless it was among ``calls`` (tried
+    already) or does not take it (None); a call it takes puts it first among ``key``'s."""
+    bc = plan.bound
+    if bc is None or (calls and bc in calls):
         return None
-    r = call(*args)
+    r = _executor.run(bc, objs, scalars)
     if r is not None:
         if len(recent) >= LIMIT:
             recent.clear()
-        recent[key] = (call, *calls[: RECENT - 1]) if calls else (call,)
+        recent[key] = (bc, *calls[: RECENT - 1]) if calls else (bc,)
     return r
 
 

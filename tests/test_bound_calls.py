@@ -1,5 +1,5 @@
-"""The generated call of a signature (zerokv.core.two_call, n_call, rows_call): a later call of a
-known signature takes it (no full validation, no facts record), and it launches exactly what
+"""The bound call of a signature (zerokv.core.bound, derived from the op's spec): a later call of
+a known signature takes it (no full validation, no facts record), and it launches exactly what
 the validated path launches for the same arguments. No GPU needed: host tensors are routed
 down the GPU path with the launchers replaced by recorders (test_launch_paths)."""
 
@@ -11,7 +11,7 @@ from test_launch_paths import _states, recorded  # noqa: F401 - the fixture
 
 import zerokv
 from zerokv.compat import sglang, vllm
-from zerokv.core import empty_rows_plan, facts, merge_checks, n_call, rows_call, two_call
+from zerokv.core import bound, empty_rows_plan, executor, facts, merge_checks
 
 H, D = 4, 64
 BF = torch.bfloat16
@@ -93,7 +93,7 @@ def counted(recorded, monkeypatch):  # noqa: F811 - the imported fixture
     return recorded, seen
 
 
-def test_a_later_call_of_a_signature_takes_its_generated_call(counted):
+def test_a_later_call_of_a_signature_takes_its_bound_call(counted):
     """Every family's second call (a new T, new tensors) launches without the full validation
     or a facts record."""
     log, seen = counted
@@ -108,8 +108,8 @@ def test_a_later_call_of_a_signature_takes_its_generated_call(counted):
         seen["validate"] = seen["facts"] = 0
 
 
-def test_generated_calls_launch_what_the_validated_path_launches(recorded, monkeypatch):  # noqa: F811
-    """The same calls with every signature's generated call and without any (each call fully
+def test_bound_calls_launch_what_the_validated_path_launches(recorded, monkeypatch):  # noqa: F811
+    """The same calls with every signature's bound call and without any (each call fully
     validated, its facts packed by the kernels' binders): the same kernels, grids and
     arguments by name, for a first T and a later one of another form."""
     series = [c for T in (48, 61, 3000) for c in _calls(T)]
@@ -120,9 +120,7 @@ def test_generated_calls_launch_what_the_validated_path_launches(recorded, monke
     from zerokv.core import plans
 
     plans.clear_cache()
-    monkeypatch.setattr(two_call, "generate", lambda *a, **k: None)
-    monkeypatch.setattr(rows_call, "generate", lambda *a, **k: None)
-    monkeypatch.setattr(n_call, "generate", lambda *a, **k: None)
+    monkeypatch.setattr(executor, "run", lambda *a: None)  # every call down the validated path
     for _, call in series:
         call()
     assert len(recorded) == len(generated) == len(series)
@@ -138,9 +136,9 @@ def test_generated_calls_launch_what_the_validated_path_launches(recorded, monke
         assert got == want, name
 
 
-def test_a_generated_call_of_another_signature_is_not_taken(counted):
+def test_a_bound_call_of_another_signature_is_not_taken(counted):
     """Signatures met one after another (a new dtype, an option more, another producer):
-    each call finds its own plan; a generated call never launches another signature's call."""
+    each call finds its own plan; a bound call never launches another signature's call."""
     log, _ = counted
     T = 40
     v_a, s_a, v_b, s_b = _states(T, H, D)
@@ -154,22 +152,25 @@ def test_a_generated_call_of_another_signature_is_not_taken(counted):
         assert log[-1][1][:2] == ("zk_half", "float")
 
 
-def test_the_generated_source_is_kept_for_a_reader(counted):
+def test_a_bound_call_is_a_table_of_fixed_size_integer_records(counted):
+    """What a compiled executor runs: records of RECORD integers, the same bytes in ``table``."""
     log, _ = counted
     v_a, s_a, v_b, s_b = _states(16, H, D)
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=torch.empty(16, H, D, dtype=BF))
     from zerokv.core import plans
 
-    (call,) = next(iter(plans.recent.values()))
-    assert call.source.startswith("def call(objs, prefix_rows):") and "PACK" in call.source
+    (bc,) = next(iter(plans.recent.values()))
+    assert all(len(r) == bound.RECORD and all(type(x) is int for x in r) for r in bc.records)
+    assert len(bc.table) == 8 * bound.RECORD * len(bc.records)
+    assert bc.records[-1][0] == bound.OP_KEY
 
 
-@pytest.mark.parametrize("seed", range(200))
-def test_a_generated_call_takes_no_call_the_full_validation_rejects(counted, seed):
+@pytest.mark.parametrize("seed", range(600))
+def test_a_bound_call_takes_no_call_the_full_validation_rejects(counted, seed):
     """Random layouts in shared buffers (padded strides, transposed LSEs), the six tensors placed
     in a random order one after another in their buffer, one of them over the last element (V:
     pack) of the one before (an overlap of inputs, or of an output), or exactly state a (in
-    place): whatever the signature's generated call takes, the full validation
+    place): whatever the signature's bound call takes, the full validation
     accepts, and it launches what the validated path launches for the same call."""
     import random
 
@@ -210,19 +211,19 @@ def test_a_generated_call_takes_no_call_the_full_validation_rejects(counted, see
     )
     scalars = ("e", True, False, False, None, "float32", False)
     objs = (v_a, s_a, v_b, s_b, out, out_lse, None, None, None, None, None)
-    taken = any(call(objs, None) is not None for call in plans.recent.get(scalars, ()))
+    taken = any(executor.run(bc, objs, (None,)) is not None for bc in plans.recent.get(scalars, ()))
     try:
         merge_checks.two(objs, "e", None, None)
         valid = True
     except ValueError:
         valid = False
     SEEN.append((taken, valid))
-    assert valid or not taken, "the generated call took a call the full validation rejects"
+    assert valid or not taken, "the bound call took a call the full validation rejects"
     if taken:
         generated = log[-1]
         plans.clear_cache()
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(two_call, "generate", lambda *a, **k: None)
+            m.setattr(executor, "run", lambda *a: None)
             zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse)
         assert log[-1] == generated
 
@@ -231,7 +232,7 @@ SEEN: list[tuple[bool, bool]] = []  # (taken, valid) of each layout: the mix thi
 
 
 def test_a_later_merge_states_call_with_outputs_of_another_shape_is_refused_by_name(counted):
-    """merge_states' generated call sends outputs of another shape (or a stride under head_dim)
+    """merge_states' bound call sends outputs of another shape (or a stride under head_dim)
     to the full validation, which names them; nothing is launched."""
     log, _ = counted
     T = 12

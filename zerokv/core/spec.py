@@ -1,0 +1,137 @@
+"""Each op's call, declared once: its tensor arguments and its options.
+
+An :class:`Arg` names a tensor argument (the caller's name), its shape in symbols (``T``,
+``H``, ``D``, ``N``, ``B`` for requests, ``G`` for groups of a row; ``+1`` after a symbol:
+one more), the dtypes it takes, whether it is an output and what it may alias exactly, and the
+names its pointer and strides have among the kernels' parameters. An :class:`Option` is a row:
+its arguments, the kernel feature it turns on, and the kernel parameters it fills (0 when the
+option is not given). The bound call of a signature (:mod:`zerokv.core.binding`) is derived
+from these rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import dtypes as _dtypes
+
+
+@dataclass(frozen=True)
+class Arg:
+    name: str  # the caller's name
+    shape: tuple[str, ...]  # symbols; "B+1": one more than B
+    dtypes: tuple[str, ...]
+    params: tuple[str, ...]  # kernel parameter names: the pointer, then a stride per outer dim
+    output: bool = False
+    alias: tuple[str, ...] = ()  # arguments it may alias exactly (same pointer and strides)
+    lse: bool = False  # an LSE: may be laid [H, T] (read as the transpose)
+    unit_inner: bool = False  # the last dim has unit stride (unless it has size 1)
+    vector: bool = False  # takes part in the signature's 16-byte vector alignment
+    any_shape: bool = False  # any shape of one element (a scalar tensor)
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # the public keyword
+    args: tuple[Arg, ...]
+    feature: str  # the kernel feature it turns on ("" for none)
+    params: tuple[str, ...]  # kernel parameters that are 0 without it
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    args: tuple[Arg, ...]
+    options: tuple[Option, ...] = ()
+
+    def all_args(self) -> tuple[Arg, ...]:
+        return self.args + tuple(a for o in self.options for a in o.args)
+
+
+V_IN, V_OUT, LSE = _dtypes.V_IN, _dtypes.V_OUT, _dtypes.LSE
+INDEX, MASK = _dtypes.INDEX_NAMES, _dtypes.MASK_NAMES
+
+_STATE = ("T", "H", "D")
+_A_EMPTY = Option(
+    "a_empty",
+    (
+        Arg("cu_seqlens_q", ("B+1",), INDEX, ("a_cu",), unit_inner=True),
+        Arg("kv_lens", ("B",), INDEX, ("a_lens",), unit_inner=True),
+    ),
+    "a_empty",
+    ("a_cu", "a_lens", "a_batch"),
+)
+_OUT_SCALE = Option(
+    "out_scale", (Arg("out_scale", ("1",), LSE, ("out_scale",), any_shape=True),), "out_scale", ("out_scale",)
+)
+_SINKS = Option("sinks", (Arg("sinks", ("H",), LSE, ("sinks",), unit_inner=True),), "sinks", ("sinks",))
+_BLOCK_SCALE = Option(
+    "out_block_scale",
+    (Arg("out_block_scale", ("T", "G"), LSE, ("bscale", "bs_st", "bs_sg"), output=True),),
+    "group_fp8",
+    ("bscale", "bs_st", "bs_sg"),
+)
+
+MERGE_STATE = OpSpec(
+    "merge_state",
+    (
+        Arg("v_a", _STATE, V_IN, ("va", "va_st", "va_sh"), unit_inner=True, vector=True),
+        Arg("s_a", ("T", "H"), LSE, ("sa", "sa_st", "sa_sh"), lse=True),
+        Arg("v_b", _STATE, V_IN, ("vb", "vb_st", "vb_sh"), unit_inner=True, vector=True),
+        Arg("s_b", ("T", "H"), LSE, ("sb", "sb_st", "sb_sh"), lse=True),
+        Arg(
+            "out",
+            _STATE,
+            V_OUT,
+            ("out", "out_st", "out_sh"),
+            output=True,
+            alias=("v_a", "v_b"),
+            unit_inner=True,
+            vector=True,
+        ),  # fmt: skip
+        Arg(
+            "out_lse",
+            ("T", "H"),
+            LSE,
+            ("olse", "ol_st", "ol_sh"),
+            output=True,
+            alias=("s_a", "s_b"),
+            lse=True,
+        ),
+    ),
+    (
+        _A_EMPTY,
+        Option(
+            "row_mask",
+            (Arg("row_mask", ("T",), MASK, ("row_mask",), unit_inner=True),),
+            "row_mask",
+            ("row_mask",),
+        ),  # fmt: skip
+        _OUT_SCALE,
+        _SINKS,
+        _BLOCK_SCALE,
+    ),
+)
+
+MERGE_STATES = OpSpec(
+    "merge_states",
+    (
+        Arg("v", ("N",) + _STATE, V_IN, ("v", "v_sn", "v_st", "v_sh"), unit_inner=True, vector=True),
+        Arg("s", ("N", "T", "H"), LSE, ("s", "s_sn", "s_st", "s_sh")),
+        Arg("out", _STATE, V_OUT, ("out", "out_st", "out_sh"), output=True, unit_inner=True, vector=True),
+        Arg("out_lse", ("T", "H"), LSE, ("olse", "ol_st", "ol_sh"), output=True),
+    ),
+    (_OUT_SCALE, _SINKS, _BLOCK_SCALE),
+)
+
+_ROWS = (
+    Arg("out", _STATE, V_IN, ("out", "out_st", "out_sh"), output=True, unit_inner=True, vector=True),
+    Arg("lse", ("T", "H"), LSE, ("lse", "lse_st", "lse_sh"), output=True),
+    Arg("cu_seqlens_q", ("B+1",), INDEX, ("cu_q",), unit_inner=True),
+)
+FIXUP_ZERO_KV_ROWS = OpSpec(
+    "fixup_zero_kv_rows", _ROWS + (Arg("kv_lens", ("B",), INDEX, ("lens",), unit_inner=True),)
+)
+MASK_EMPTY_CONTEXT = OpSpec(
+    "mask_empty_context", _ROWS + (Arg("cu_seqlens_kv", ("B+1",), INDEX, ("lens",), unit_inner=True),)
+)
