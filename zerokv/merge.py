@@ -1,7 +1,7 @@
 """Merging partial attention states by their log-sum-exp: two-way and N-way.
 
 The signatures and their documentation; every call takes one path through the core
-(:mod:`zerokv.core.merge_plans`): the generated call of the call's signature reads the
+(:mod:`zerokv.core.merge_plans`): the bound call of the call's signature reads the
 arguments, checks them cheaply, packs by name and launches (host tensors: the float64
 reference).
 """

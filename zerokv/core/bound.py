@@ -119,7 +119,7 @@ class BoundCall:
 
     __slots__ = (
         "records", "steps", "dtypes", "torch_type", "device", "n_slots", "resolve", "forms", "stream",
-        "table", "name", "c_state", "result", "allocators",
+        "table", "name", "c_state", "result", "allocators", "c_ok",
     )  # fmt: skip
 
     def __init__(self, name: str, records: list[tuple[int, ...]], dtypes: list, torch_type: type,
@@ -136,7 +136,9 @@ class BoundCall:
         self.resolve = resolve  # (T, rest of the key) -> Entry
         self.forms: dict = {}
         self.stream = stream
-        self.c_state = None  # the compiled executor's cached copy
+        self.c_state = None  # the compiled executor's own cache (its forms met so far)
+        # the compiled executor takes torch signatures (DLPack's C exchange API on the type)
+        self.c_ok = torch_type is not None and hasattr(torch_type, "__dlpack_c_exchange_api__")
         self.steps = _decode(self.records)
         self.table = b"".join(int(x).to_bytes(8, "little", signed=True) for r in self.records for x in r)
 

@@ -92,7 +92,7 @@ def launcher(kernel: Any, targs: tuple, device: int) -> _launch.Launcher:
 
 
 def clear_plans() -> None:
-    """Forget every plan and generated call (the loaded functions stay)."""
+    """Forget every plan and bound call (the loaded functions stay)."""
     with _lock:
         _plans.clear()
         recent.clear()
