@@ -37,13 +37,9 @@ def choose(choice: str | None = None) -> tuple[str, str]:
             from . import cexec
 
             module, why = cexec.load(strict=want == "c")
-        global run
-        if module is None:
-            run = _bound.run
-            name = "python"
-        else:
-            run = _compiled(module)
-            name = "c"
+        name = "python" if module is None else "c"
+        # the runner the ops call from now on (plans read ``executor.run`` on each call)
+        globals()["run"] = _bound.run if module is None else _compiled(module)
         if choice is None:
             _state.update(name=name, why=why, module=module)
         return name, why
