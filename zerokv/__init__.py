@@ -14,6 +14,7 @@ __all__ = [
     "cp_merge",
     "cp_send_buffer",
     "fixup_zero_kv_rows",
+    "launcher",
     "mask_empty_context",
     "merge_state",
     "merge_states",
@@ -42,6 +43,7 @@ if _CLI is None or not any(a in ("--version", "-h", "--help") for a in _CLI):
     from .core.probe import can_run
     from .cp_merge import cp_merge, cp_send_buffer
     from .empty_rows import fixup_zero_kv_rows, mask_empty_context
+    from .launcher import launcher
     from .merge import merge_state, merge_states
     from .plan import ContextChunkPlan, plan_context_chunks
     from .precompile import precompile

@@ -19,37 +19,59 @@ ENV = "ZEROKV_LAUNCHER"
 CHOICES = ("auto", "c", "python")
 
 _lock = threading.Lock()
-_state: dict[str, Any] = {}  # "name", "why", "module"
+_state: dict[str, Any] = {}  # the process's choice: "name", "why", "module"
 
 
-def choose(choice: str | None = None) -> tuple[str, str]:
-    """``(name, why)`` of the executor for ``choice`` (default: the environment's), chosen once
-    per process unless ``choice`` is given; ``"c"`` raises RuntimeError when it cannot load."""
+def _want(choice: str | None) -> str:
     want = (choice or os.environ.get(ENV) or "auto").strip().lower()
     if want not in CHOICES:
         raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {want!r}")
+    return want
+
+
+def _load(want: str) -> tuple[Any, str]:
+    if want == "python":
+        return None, f"{ENV}=python"
+    from . import cexec
+
+    return cexec.load(strict=want == "c")
+
+
+def choose() -> tuple[str, str]:
+    """``(name, why)`` of the process's executor (``ZEROKV_LAUNCHER``), chosen on first use;
+    ``c`` raises RuntimeError when the compiled one cannot load."""
     with _lock:
-        if choice is None and _state:
-            return _state["name"], _state["why"]
-        if want == "python":
-            module, why = None, f"{ENV}=python"
-        else:
-            from . import cexec
-
-            module, why = cexec.load(strict=want == "c")
-        name = "python" if module is None else "c"
-        # the runner the ops call from now on (plans read ``executor.run`` on each call)
-        globals()["run"] = _bound.run if module is None else _compiled(module)
-        if choice is None:
-            _state.update(name=name, why=why, module=module)
-        return name, why
+        if not _state:
+            module, why = _load(_want(None))
+            _state.update(name="python" if module is None else "c", why=why, module=module)
+            # the runner the ops call from now on (plans read ``executor.run`` on each call)
+            globals()["run"] = _runner(module)
+        return _state["name"], _state["why"]
 
 
-def _compiled(module: Any) -> Any:
-    """The compiled executor for torch signatures, the Python one for the others."""
+def module_of(name: str) -> Any:
+    """The compiled module for ``"c"`` (loaded, or RuntimeError), None for ``"python"``."""
+    if name == "python":
+        return None
+    choose()
+    if _state["module"] is not None:
+        return _state["module"]
+    module, _ = _load("c")
+    return module
+
+
+def runner(name: str) -> Any:
+    """The run function of executor ``name`` (``"c"`` or ``"python"``)."""
+    return _runner(module_of(name))
+
+
+def _runner(module: Any) -> Any:
+    if module is None:
+        return _bound.run
     c_run, py_run = module.run, _bound.run
 
     def run_either(bc: _bound.BoundCall, objs: tuple, scalars: tuple) -> Any:
+        """The compiled executor for torch signatures, the Python one for the others."""
         if bc.c_ok:
             return c_run(bc, objs, scalars)
         return py_run(bc, objs, scalars)
@@ -60,9 +82,4 @@ def _compiled(module: Any) -> Any:
 def run(bc: _bound.BoundCall, objs: tuple, scalars: tuple) -> Any:
     """The first call chooses (:func:`choose`), then runs."""
     choose()
-    return run(bc, objs, scalars)
-
-
-def current() -> tuple[str, str]:
-    """``(name, why)`` of the executor this process uses (chosen now if not yet)."""
-    return choose()
+    return globals()["run"](bc, objs, scalars)
