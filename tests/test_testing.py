@@ -85,9 +85,8 @@ def test_bad_arguments_are_named(kwargs, error, match):
 
 def test_a_rejected_call_records_nothing():
     v_a, s_a, v_b, s_b = _states()
-    with zt.record_launches() as log:
-        with pytest.raises(ValueError, match="s_b"):
-            zerokv.merge_state(v_a, s_a, v_b, s_b[:-1])
+    with zt.record_launches() as log, pytest.raises(ValueError, match="s_b"):
+        zerokv.merge_state(v_a, s_a, v_b, s_b[:-1])
     assert log.count == 0
 
 
