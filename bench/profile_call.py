@@ -1,137 +1,244 @@
-"""Per-step host cost of one ``merge_state`` call, beside ``torch.mul(a, b, out=c)``.
+"""Host cost of one call, per executor, beside ``torch.mul(a, b, out=c)`` in the same process.
 
-Each step of the path timed alone on the same tensors (µs, median of interleaved rounds)::
+    PYTHONPATH=. python3 -m bench.profile_call [--cpu] [--against DIR] [--json FILE]
 
-    PYTHONPATH=. python3 -m bench.profile_call [--cpu]
-
-lookup (the generated calls of the call's scalars), the signature's generated call (read,
-cheap check, form, pack, launch) and the same without its launch, the whole public call, a
-new T, the facts record and plan lookup that a call of another signature pays, the tensor
-attribute reads alone, and the launch alone (``cuLaunchKernel``). ``--cpu``: CPU tensors routed down the GPU path with the launch left
-out (the Python steps only; no GPU needed).
+Rows (µs, median of interleaved rounds, and × ``torch.mul(out=)``): the public ``merge_state``
+through the C and the Python executor (the same tensors, and a new T every call as an engine
+calls), each executor alone on a bound call, every option, the ``[H, T]`` LSE, allocated
+outputs, each adapter, ``torch.ops.zerokv``, the empty-row ops and ``merge_states``. ``--cpu``:
+CPU tensors down the GPU path with launches counted, not made (``zerokv.testing``), and
+``torch.mul`` of 64 floats on one thread. ``--against DIR``: also the same public call of
+another zerokv package directory (e.g. an older release unpacked there), loaded in this process
+beside this one, for an A/B of the Python paths.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import statistics
 import sys
 import timeit
+from typing import Any
+
+H, D = 16, 128
+ROUNDS, NUMBER = 7, 1000
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_call")
-    parser.add_argument("--cpu", action="store_true", help="CPU tensors, no launch (the Python steps)")
+    parser.add_argument("--cpu", action="store_true", help="CPU tensors, launches counted (no GPU)")
     parser.add_argument("-T", type=int, default=256)
+    parser.add_argument("--against", help="another zerokv package directory, timed beside this one")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     import torch
 
     import zerokv
-    from zerokv.core import facts, forms, plans
+    from zerokv.core import executor
 
     dev = "cpu" if args.cpu else "cuda"
-    T, H, D = args.T, 16, 128
-    va, vb, out = (torch.randn(T, H, D, device=dev).to(torch.bfloat16) for _ in range(3))
-    sa, sb, ol = (torch.randn(T, H, device=dev) for _ in range(3))
-    shape = (64, 64) if args.cpu else (T, H, D)  # on the CPU, a multiply that costs its call only
-    a, b, c = torch.randn(shape, device=dev), torch.randn(shape, device=dev), torch.empty(shape, device=dev)
     if args.cpu:
         torch.set_num_threads(1)  # a small multiply without a thread pool's wake-up
-        _route_cpu_down_the_gpu_path()
-    objs = (va, sa, vb, sb, out, ol, None, None, None, None, None)
-    zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=ol)
-    scalars = ("e", True, False, False, None, "float32", False)
-    (call,) = plans.recent[scalars]  # the signature's generated call
-    steps = {
-        "torch.mul(out=)": lambda: torch.mul(a, b, out=c),
-        "lookup (recent calls)": lambda: plans.recent.get(scalars),
-        "generated call": lambda: call(objs, None),
-        "merge_state (all)": lambda: zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=ol),
-        "... a new T (all)": _new_t(zerokv.merge_state, dev),
-        "... its slicing alone": _new_t(lambda *a, **k: None, dev),
-        "facts + plan (a miss)": lambda: plans.get((scalars, facts.read_two(objs).sig)),
-        "30 attribute reads": lambda: _reads(objs[:6]),
-    }
-    if not args.cpu:
-        form, launcher, _, _ = next(iter(call.__globals__["FORMS"].values()))
-        stream = torch.cuda.current_stream().cuda_stream
-        grid, grid_y = forms.launch_grid(form, T)
-        steps["launch alone (packed)"] = lambda: launcher.fire(grid, grid_y, stream)
-    got: dict[str, list[float]] = {k: [] for k in steps}
-    n = 2000
-    for _ in range(7):
-        for k, fn in steps.items():
-            got[k].append(timeit.timeit(fn, number=n) / n * 1e6)
-        if not args.cpu:
-            torch.cuda.synchronize()
-    launch = type(next(iter(call.__globals__["FORMS"].values()))[1])
-    fire, launch.fire = launch.fire, lambda self, grid, grid_y, stream: None
-    try:  # the generated call with its launch left out: reads, checks, form, pack
-        got["generated call, no launch"] = [
-            timeit.timeit(lambda: call(objs, None), number=n) / n * 1e6 for _ in range(7)
-        ]
-    finally:
-        launch.fire = fire
+    shape = (64,) if args.cpu else (args.T, H, D)
+    a, b, c = torch.randn(shape, device=dev), torch.randn(shape, device=dev), torch.empty(shape, device=dev)
+    steps: dict[str, Any] = {"torch.mul(out=)": lambda: torch.mul(a, b, out=c)}
+    names = ["c", "python"] if executor.module_of_safe("c") is not None else ["python"]
+    for name in names:
+        for label, fn in _calls(zerokv, torch, dev, args.T).items():
+            steps[f"{label}, {'C' if name == 'c' else 'Python'} executor"] = (name, fn)
+    if args.against:
+        old, route = _load_other(args.against, args.cpu)
+        for label, fn in _calls(old, torch, dev, args.T, only_plain=True).items():
+            steps[f"{label}, {args.against}"] = (route, fn)
+    got = _time(steps, args.cpu, args.rounds)
     mul = statistics.median(got["torch.mul(out=)"])
+    rows = []
     for k, v in got.items():
         us = statistics.median(v)
-        print(f"{k:26s} {us:7.2f} µs  {us / mul:5.2f} x torch.mul")
+        rows.append({"step": k, "us": us, "x_mul": us / mul, "rounds": v})
+        print(f"{k:58s} {us:7.2f} µs  {us / mul:5.2f} x torch.mul")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"cpu": args.cpu, "T": args.T, "H": H, "D": D, "rows": rows}, f, indent=1)
     return 0
 
 
-def _reads(tensors: tuple) -> None:
-    """What any Python launch reads of six tensors: pointer, shape, strides, dtype, device."""
-    for t in tensors:
-        t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device()
+def _time(steps: dict, cpu: bool, rounds: int) -> dict[str, list[float]]:
+    """µs per call of each step, ``rounds`` interleaved rounds; zerokv's steps inside a recording
+    block of their executor on the CPU."""
+    import zerokv.testing as zt
+
+    got: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for k, step in steps.items():
+            if callable(step):
+                got[k].append(timeit.timeit(step, number=NUMBER) / NUMBER * 1e6)
+                continue
+            name, fn = step
+            if callable(name):  # another package's own routing
+                block = name()
+            else:
+                block = zt.record_launches(executor=name, keep=False) if cpu else _executor_block(name)
+            with block:
+                fn = getattr(fn, "make", lambda f=fn: f)()  # a step made inside its block
+                fn()  # its signature's first call (full validation, plan, form) before timing
+                got[k].append(timeit.timeit(fn, number=NUMBER) / NUMBER * 1e6)
+    return got
 
 
-def _new_t(fn, dev: str):
-    """One call per new T of slices of preallocated buffers (T over 1000 values, cycled, the
-    forms of each T met before it is timed); the slicing is its own row (bench_host subtracts it)."""
-    import itertools
+@contextlib.contextmanager
+def _executor_block(name: str):
+    """On a GPU: the ops run on executor ``name`` inside the block."""
+    from zerokv.core import executor
 
-    import torch
+    saved = executor.run
+    executor.run = executor.runner(name)
+    try:
+        yield
+    finally:
+        executor.run = saved
 
-    n, H, D = 1000, 16, 128
-    vs = [torch.randn(n, H, D, device=dev).to(torch.bfloat16) for _ in range(3)]
+
+def _calls(zk: Any, torch: Any, dev: str, T: int, only_plain: bool = False) -> dict[str, Any]:
+    """The timed calls of package ``zk`` (zerokv, or another directory's), by label."""
+    bf = torch.bfloat16
+    va, vb, out = (torch.randn(T, H, D, device=dev).to(bf) for _ in range(3))
+    sa, sb, ol = (torch.randn(T, H, device=dev) for _ in range(3))
+    ms = zk.merge_state
+    calls = {"public call": lambda: ms(va, sa, vb, sb, out=out, out_lse=ol)}
+    calls["public call, new T"] = _new_t(ms, torch, dev)
+    if only_plain:
+        return calls
+    from zerokv.compat import flashinfer, sglang, vllm
+    from zerokv.core import plans
+
+    sa_ht, sb_ht, ol_ht = (torch.randn(H, T, device=dev) for _ in range(3))
+    idx = torch.tensor([0, T // 3, T // 2, T], dtype=torch.int32, device=dev)
+    kv = torch.tensor([0, 5, 9], dtype=torch.int32, device=dev)
+    sinks, scale = torch.randn(H, device=dev), torch.tensor([0.5], device=dev)
+    out8 = torch.empty(T, H, D, device=dev).to(torch.float8_e4m3fn)
+    bscale = torch.empty(T, H * D // 128, device=dev)
+    v3, s3 = torch.randn(3, T, H, D, device=dev).to(bf), torch.randn(3, T, H, device=dev)
+    objs = (va, sa, vb, sb, out, ol, None, None, None, None, None)
+
+    def executor_alone() -> Any:
+        """The bound call of the plain call, run by the block's executor."""
+        from zerokv.core import executor
+
+        ms(va, sa, vb, sb, out=out, out_lse=ol)
+        bc = next(iter(plans.recent.values()))[0]
+        run = executor.run
+        return lambda: run(bc, objs, (None,))
+
+    alone = _Made()
+    alone.make = executor_alone
+    calls.update(
+        {
+            "executor alone": alone,
+            "a_empty": lambda: ms(va, sa, vb, sb, out=out, out_lse=ol, a_empty=(idx, kv)),
+            "sinks": lambda: ms(va, sa, vb, sb, out=out, out_lse=ol, sinks=sinks),
+            "out_scale (fp8)": lambda: ms(va, sa, vb, sb, out=out8, out_scale=scale),
+            "per-group fp8": lambda: ms(va, sa, vb, sb, out=out8, out_block_scale=bscale, quant_group=128),
+            "prefix_rows": lambda: ms(va, sa, vb, sb, out=out, out_lse=ol, prefix_rows=T // 2),
+            "[H, T] LSE": lambda: ms(va, sa_ht.T, vb, sb_ht.T, out=out, out_lse=ol_ht.T),
+            "allocated outputs": lambda: ms(va, sa, vb, sb),
+            "vllm.merge_attn_states": lambda: vllm.merge_attn_states(out, va, sa_ht, vb, sb_ht, ol_ht),
+            "sglang.merge_state_v2": lambda: sglang.merge_state_v2(va, sa, vb, sb, out, ol),
+            "flashinfer.merge_state_in_place": lambda: flashinfer.merge_state_in_place(out, ol, vb, sb),
+            "torch.ops.zerokv.merge_state_out": lambda: torch.ops.zerokv.merge_state_out(va, sa, vb, sb, out, ol),
+            "merge_states (N = 3)": lambda: zk.merge_states(v3, s3, out=out, out_lse=ol),
+            "fixup_zero_kv_rows": lambda: zk.fixup_zero_kv_rows(out, ol, kv, idx),
+            "mask_empty_context": lambda: zk.mask_empty_context(out, ol, idx, idx),
+        }
+    )
+    return calls
+
+
+class _Made:
+    """A step whose callable is made inside its executor's block (``make()``)."""
+
+    make: Any = None
+
+
+def _new_t(fn: Any, torch: Any, dev: str) -> Any:
+    """Calls over 64 token counts, cycled (views of preallocated buffers made beforehand: the
+    slicing is not timed), as an engine calls with a new T each step."""
+    n, bf = 512, torch.bfloat16
+    vs = [torch.randn(n, H, D, device=dev).to(bf) for _ in range(3)]
     ss = [torch.randn(n, H, device=dev) for _ in range(3)]
-    Ts = itertools.cycle(range(1, n + 1))
-    for T in range(1, n + 1):
-        fn(vs[0][:T], ss[0][:T], vs[1][:T], ss[1][:T], out=vs[2][:T], out_lse=ss[2][:T])
+    args = [(vs[0][:t], ss[0][:t], vs[1][:t], ss[1][:t], vs[2][:t], ss[2][:t]) for t in range(n - 63, n + 1)]
+    state = [0]
 
-    def call():
-        T = next(Ts)
-        fn(vs[0][:T], ss[0][:T], vs[1][:T], ss[1][:T], out=vs[2][:T], out_lse=ss[2][:T])
+    def call() -> None:
+        i = state[0] = (state[0] + 1) & 63
+        a = args[i]
+        fn(a[0], a[1], a[2], a[3], out=a[4], out_lse=a[5])
 
     return call
 
 
-def _route_cpu_down_the_gpu_path() -> None:
-    """CPU tensors read as if on device 0, launches packed but not made."""
-    from zerokv.core import device, facts, plans
+def _load_other(directory: str, cpu: bool) -> tuple[Any, Any]:
+    """Another zerokv package directory as a package of its own name in this process (its
+    ``__init__`` not run, so it registers no torch ops beside this one's), and the block that
+    routes its calls as ``record_launches`` routes this one's (on a GPU: nothing)."""
+    import importlib
+    import os
+    import types
 
-    class _NoLaunch:
-        def __init__(self, kernel, targs, dev):
-            self.buf = bytearray(kernel.packer.size)
+    path = os.path.abspath(directory)
+    name = "zerokv_" + os.path.basename(path.rstrip("/")).replace("-", "_").replace(".", "_")
+    pkg = types.ModuleType(name)
+    pkg.__path__ = [path]
+    sys.modules[name] = pkg
+    merge = importlib.import_module(f"{name}.merge")
+    mods = {m: importlib.import_module(f"{name}.core.{m}") for m in ("device", "facts", "plans")}
 
-        def launch(self, grid, grid_y, stream, bind, *records):
-            bind(self.buf, *records)
+    @contextlib.contextmanager
+    def route():
+        if not cpu:
+            yield
+            return
+        saved = []
 
-        def fire(self, grid, grid_y, stream):
-            pass
+        def patch(obj: Any, attr: str, value: Any) -> None:
+            saved.append((obj, attr, getattr(obj, attr)))
+            setattr(obj, attr, value)
 
-    plans.launcher = _NoLaunch
-    device.sm_count, device.l2_bytes, device.torch_stream = (
-        (lambda d: 132),
-        (lambda d: 50 << 20),
-        (lambda d: 0),
-    )
-    for name in ("read_two", "read_n", "read_rows"):
-        setattr(facts, name, _on_device(getattr(facts, name)))
+        patch(mods["plans"], "launcher", _Counted)
+        for attr, value in (("sm_count", 132), ("l2_bytes", 50 << 20), ("torch_stream", 0)):
+            patch(mods["device"], attr, lambda d, v=value: v)
+        for attr in ("read_two", "read_n", "read_rows"):
+            patch(mods["facts"], attr, _on_device(getattr(mods["facts"], attr)))
+        try:
+            yield
+        finally:
+            for obj, attr, value in reversed(saved):
+                setattr(obj, attr, value)
+            mods["plans"].clear_plans()
+
+    return types.SimpleNamespace(merge_state=merge.merge_state), route
 
 
-def _on_device(read):
-    def on_device(*a):
+class _Counted:
+    """Another package's launcher stand-in: packs as a launch would, launches nothing."""
+
+    def __init__(self, kernel: Any, targs: tuple, device: int) -> None:
+        self.buf = bytearray(kernel.packer.size)
+        self.count = 0
+
+    def launch(self, grid: int, grid_y: int, stream: int, bind: Any, *records: Any) -> None:
+        bind(self.buf, *records)
+        self.count += 1
+
+    def fire(self, grid: int, grid_y: int, stream: int) -> None:
+        self.count += 1
+
+
+def _on_device(read: Any) -> Any:
+    def on_device(*a: Any) -> Any:
         f = read(*a)
         if f is not None:
             f.device = 0

@@ -19,9 +19,6 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Any
 
-from .generic_tensors import _Generic, generic, writable_cheap
-from .layout import INT32, distinct
-
 RECORD = 16  # integers per record
 NREG = 192  # registers per call
 N_TENSORS = 12  # tensor blocks
@@ -61,22 +58,8 @@ F_UNIT_INNER = 4  # the last stride is 1 unless the last size is 1
 F_ALIGN = 8  # pointer and strides OR-ed into R_MISALIGN (by g bytes and h elements)
 F_INNER_IN_ALIGN = 16  # the last size too (the vector's inner extent)
 
-# arithmetic
-A_ADD, A_SUB, A_MUL, A_DIV, A_MOD, A_OR, A_AND, A_EQ, A_LT, A_NE, A_MAX, A_GT = range(12)
-_ARITH = {
-    A_ADD: lambda x, y: x + y,
-    A_SUB: lambda x, y: x - y,
-    A_MUL: lambda x, y: x * y,
-    A_DIV: lambda x, y: x // y if y else 0,
-    A_MOD: lambda x, y: x % y if y else 0,
-    A_OR: lambda x, y: x | y,
-    A_AND: lambda x, y: x & y,
-    A_EQ: lambda x, y: int(x == y),
-    A_LT: lambda x, y: int(x < y),
-    A_NE: lambda x, y: int(x != y),
-    A_MAX: lambda x, y: max(x, y),
-    A_GT: lambda x, y: int(x > y),
-}
+# arithmetic (comparisons give 1 or 0)
+A_ADD, A_SUB, A_MUL, A_OR, A_AND, A_EQ, A_LT, A_NE, A_MAX, A_GT = range(10)
 
 # DLPack dtype codes (code | bits << 8 | lanes << 16)
 _DL = {
@@ -119,7 +102,7 @@ class BoundCall:
 
     __slots__ = (
         "records", "steps", "dtypes", "torch_type", "device", "n_slots", "resolve", "forms", "stream",
-        "table", "name", "c_state", "result", "allocators", "c_ok",
+        "table", "name", "c_state", "result", "allocators", "c_ok", "c_key",
     )  # fmt: skip
 
     def __init__(self, name: str, records: list[tuple[int, ...]], dtypes: list, torch_type: type,
@@ -139,7 +122,8 @@ class BoundCall:
         self.c_state = None  # the compiled executor's own cache (its forms met so far)
         # the compiled executor takes torch signatures (DLPack's C exchange API on the type)
         self.c_ok = torch_type is not None and hasattr(torch_type, "__dlpack_c_exchange_api__")
-        self.steps = _decode(self.records)
+        self.steps = None  # the Python executor's functions of the records (pyexec)
+        self.c_key = None  # the Python executor's getter of the form key
         self.table = b"".join(int(x).to_bytes(8, "little", signed=True) for r in self.records for x in r)
 
     def entry(self, T: int, rest: tuple) -> Entry:
@@ -152,188 +136,8 @@ class BoundCall:
         return e
 
 
-def _decode(records: tuple) -> tuple:
-    """The records as ``(opcode, record)`` pairs with the TENSOR records numbered."""
-    steps, k = [], 0
-    for r in records:
-        if r[0] == OP_TENSOR:
-            steps.append((OP_TENSOR, r, k))
-            k += 1
-        else:
-            steps.append((r[0], r, 0))
-    return tuple(steps)
-
-
-class Launches:
-    """Where launches go: the driver, or a recorder (``zerokv.testing``)."""
-
-    recorder: Any = None
-
-
-def run(bc: BoundCall, objs: tuple, scalars: tuple) -> Any:
-    """The Python executor: the call's result (the objects of ``bc.result``, an allocated
-    output in its place) when the call was taken (launched, or nothing to launch); None when
-    the full path must see it."""
-    r = [0] * NREG
-    r[R_ONE] = 1
-    tt = bc.torch_type
-    gen = tt is _Generic
-    dtypes = bc.dtypes
-    dev = bc.device
-    made = None
-    try:
-        for op, rec, k in bc.steps:
-            if op == OP_TENSOR:
-                x = objs[rec[1]]
-                if gen:
-                    x = generic(x)
-                if type(x) is not tt or x.dtype != dtypes[k] or x.get_device() != dev:
-                    return None
-                shape = x.shape
-                rank = rec[2]
-                if len(shape) != rank:
-                    return None
-                st = x.stride()
-                flags = rec[3]
-                if flags & F_TRANSPOSE:
-                    shape, st = shape[::-1], st[::-1]
-                base = TENSOR_BASE + k * TENSOR_REGS
-                p = r[base] = x.data_ptr()
-                span, empty, sor = 1, False, 0
-                for i in range(rank):
-                    n, s = shape[i], st[i]
-                    eq = rec[8 + i]
-                    if eq >= 0 and r[eq] != n:
-                        return None
-                    r[base + 1 + i] = n
-                    r[base + 5 + i] = s
-                    sor |= s
-                    if n == 0:
-                        empty = True
-                    else:
-                        span += (n - 1) * s
-                if sor < 0:
-                    return None
-                r[R_STOR] |= sor
-                if empty:
-                    span = 0
-                r[base + T_END] = p + span * rec[6]
-                if span > r[R_WIDEST]:
-                    r[R_WIDEST] = span
-                if flags & F_UNIT_INNER and shape[rank - 1] > 1 and st[rank - 1] != 1:
-                    return None
-                if flags & F_ALIGN:  # pointer by rec[7] bytes, outer strides (and D) by rec[12]
-                    outer = shape[rank - 1] if flags & F_INNER_IN_ALIGN else 0
-                    for i in range(rank - 1):
-                        outer |= st[i]
-                    r[R_MISALIGN] |= p % rec[7] | outer % rec[12]
-                if flags & F_OUTPUT and not _writable(x):
-                    return None
-            elif op == OP_ABSENT:
-                m, i, n = rec[1], 0, len(objs)
-                while m and i < n:
-                    if m & 1 and objs[i] is not None:
-                        return None
-                    m >>= 1
-                    i += 1
-            elif op == OP_EQ:
-                if r[rec[1]] != r[rec[2]]:
-                    return None
-            elif op == OP_RANGE:
-                if not rec[2] <= r[rec[1]] < rec[3]:
-                    return None
-            elif op == OP_CHECK:
-                if bool(r[rec[1]]) != bool(rec[2]):
-                    return None
-            elif op == OP_ARITH:
-                y = r[rec[4]] if rec[4] >= 0 else rec[5]
-                r[rec[1]] = _ARITH[rec[2]](r[rec[3]], y)
-            elif op == OP_APART:
-                if not _apart(r, rec[1], rec[2], rec[3]):
-                    return None
-            elif op == OP_DISTINCT:
-                a = TENSOR_BASE + rec[1] * TENSOR_REGS
-                inner = r[a + 1 + rec[2]] if rec[2] >= 0 else 1
-                if not distinct(r[a + 1], r[a + T_STRIDE], r[a + 2], r[a + T_STRIDE + 1], inner):
-                    return None
-            elif op == OP_SCALAR:
-                v = scalars[rec[1]]
-                if type(v) is not int or not r[rec[3]] <= v <= r[rec[4]]:
-                    return None
-                r[rec[2]] = v
-            elif op == OP_ALLOC:
-                if made is None:
-                    made = {}
-                made[rec[1]] = _alloc(bc, r, rec, objs[0])
-            elif op == OP_DONE_IF_ZERO:
-                if not r[rec[1]]:
-                    return _result(bc, objs, made)
-            elif op == OP_KEY:
-                T = r[rec[1]]
-                rest = tuple([r[i] for i in rec[3 : 3 + rec[2]]])
-                e = bc.forms.get((T, *rest)) or bc.entry(T, rest)
-                _launch(bc, e, r, T)
-                return _result(bc, objs, made)
-    except (AttributeError, TypeError, ValueError, RuntimeError, IndexError):
-        return None
-    return None  # pragma: no cover - every table ends with its key
-
-
-def _result(bc: BoundCall, objs: tuple, made: dict | None) -> Any:
-    if not bc.result:
-        return True
-    if made is None:
-        return tuple([objs[i] for i in bc.result])
-    return tuple([made[i] if i in made else objs[i] for i in bc.result])
-
-
-def _apart(r: list, k: int, mask: int, exact: int) -> bool:
-    """Tensor ``k`` shares no byte with a tensor of ``mask``, or is an exact alias of one in
-    ``exact`` (same pointer and outer strides)."""
-    a = TENSOR_BASE + k * TENSOR_REGS
-    lo, hi = r[a], r[a + T_END]
-    j = 0
-    while mask:
-        if mask & 1:
-            b = TENSOR_BASE + j * TENSOR_REGS
-            if (
-                r[b] < hi
-                and lo < r[b + T_END]
-                and not (
-                    exact >> j & 1
-                    and r[b] == lo
-                    and r[b + T_STRIDE] == r[a + T_STRIDE]
-                    and r[b + T_STRIDE + 1] == r[a + T_STRIDE + 1]
-                )
-            ):
-                return False
-        mask >>= 1
-        j += 1
-    return True
-
-
-def _alloc(bc: BoundCall, r: list, rec: tuple, like: Any) -> Any:
-    """A new contiguous output of the shape in registers ``rec[5:5 + rank]``, read into its
-    tensor block (row-major strides)."""
-    rank = rec[4]
-    shape = tuple([r[rec[5 + i]] for i in range(rank)])
-    x, r[TENSOR_BASE + rec[3] * TENSOR_REGS] = bc.allocators[rec[2]](shape, like)
-    base = TENSOR_BASE + rec[3] * TENSOR_REGS
-    stride = 1
-    for i in range(rank - 1, -1, -1):
-        r[base + 1 + i] = shape[i]
-        r[base + T_STRIDE + i] = stride
-        stride *= shape[i]
-    return x
-
-
-def _writable(x: Any) -> bool:
-    if type(x) is _Generic:
-        return writable_cheap(x.obj)
-    return (not x.requires_grad and not x.is_inference()) or writable_cheap(x)
-
-
-def _launch(bc: BoundCall, e: Entry, r: list, T: int) -> bool:
+def launch(bc: BoundCall, e: Entry, r: list, T: int) -> None:
+    """The Python executor's launch of entry ``e`` for ``T`` with the call's registers."""
     r[CONST_BASE : CONST_BASE + len(e.consts)] = e.consts
     pt = e.per_token
     if pt:
@@ -346,7 +150,6 @@ def _launch(bc: BoundCall, e: Entry, r: list, T: int) -> bool:
     else:
         grid, grid_y = e.grid, T
     e.launcher.launch_values(grid, grid_y, bc.stream(bc.device), e.getter(r))
-    return True
 
 
 def make_entry(launcher: Any, form: Any, t_lo: int, t_hi: int, regs: dict[str, int], consts: dict) -> Entry:
@@ -396,5 +199,15 @@ def _bits(v: Any, ctype: str) -> int:
     return int(v)
 
 
-def fits32(x: int) -> bool:
-    return x < INT32
+def run(bc: BoundCall, objs: tuple, scalars: tuple) -> Any:
+    """The Python executor (:func:`zerokv.core.pyexec.run`)."""
+    from .pyexec import run as python_run
+
+    return python_run(bc, objs, scalars)
+
+
+def _writable(x: Any) -> bool:
+    """An output the Python executor takes as writable (:func:`zerokv.core.pyexec._writable`)."""
+    from .pyexec import _writable as writable
+
+    return writable(x)

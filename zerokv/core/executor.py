@@ -14,6 +14,7 @@ import threading
 from typing import Any
 
 from . import bound as _bound
+from . import pyexec as _pyexec
 
 ENV = "ZEROKV_LAUNCHER"
 CHOICES = ("auto", "c", "python")
@@ -60,6 +61,14 @@ def module_of(name: str) -> Any:
     return module
 
 
+def module_of_safe(name: str) -> Any:
+    """:func:`module_of`, None where it cannot load."""
+    try:
+        return module_of(name)
+    except RuntimeError:
+        return None
+
+
 def runner(name: str) -> Any:
     """The run function of executor ``name`` (``"c"`` or ``"python"``)."""
     return _runner(module_of(name))
@@ -67,8 +76,8 @@ def runner(name: str) -> Any:
 
 def _runner(module: Any) -> Any:
     if module is None:
-        return _bound.run
-    c_run, py_run = module.run, _bound.run
+        return _pyexec.run
+    c_run, py_run = module.run, _pyexec.run
 
     def run_either(bc: _bound.BoundCall, objs: tuple, scalars: tuple) -> Any:
         """The compiled executor for torch signatures, the Python one for the others."""
