@@ -132,7 +132,7 @@ def _all_to_all(torch, pg, N, rank, collectives, a: Args, vv, own, nan_empty):
 
 
 def _code(dtype: str) -> int:
-    return list(_dtypes.ALL).index(dtype)
+    return list(_dtypes.TABLE).index(dtype)
 
 
 def shares(

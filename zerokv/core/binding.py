@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import bound as B
+from . import dtypes as _dtypes
 from .layout import INT32, VECTOR_BYTES
 from .spec import OpSpec
 
@@ -86,7 +87,7 @@ class Table:
             dt = x.dtype if plan.torch else generic_dtype(x)
             self.dtypes.append(dt)
             self.add(
-                B.OP_TENSOR, slot, len(shape), flags, B.dl_code(_name(dt)), plan.device, _size(x), align,
+                B.OP_TENSOR, slot, len(shape), flags, _dtypes.dlpack_code(_name(dt)), plan.device, _size(x), align,
                 *(eqs + [-1] * (4 - len(eqs))), w,
             )  # fmt: skip
             for sym, r in binds:

@@ -61,24 +61,6 @@ F_INNER_IN_ALIGN = 16  # the last size too (the vector's inner extent)
 # arithmetic (comparisons give 1 or 0)
 A_ADD, A_SUB, A_MUL, A_OR, A_AND, A_EQ, A_LT, A_NE, A_MAX, A_GT = range(10)
 
-# DLPack dtype codes (code | bits << 8 | lanes << 16)
-_DL = {
-    "float16": (2, 16),
-    "bfloat16": (4, 16),
-    "float32": (2, 32),
-    "float64": (2, 64),
-    "float8_e4m3fn": (10, 8),
-    "int32": (0, 32),
-    "int64": (0, 64),
-    "uint8": (1, 8),
-    "bool": (6, 8),
-}
-
-
-def dl_code(dtype_name: str) -> int:
-    code, bits = _DL[dtype_name]
-    return code | bits << 8 | 1 << 16
-
 
 def tensor_base(k: int) -> int:
     return TENSOR_BASE + k * TENSOR_REGS

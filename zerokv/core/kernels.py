@@ -118,6 +118,7 @@ def _params(spec: str) -> tuple[tuple[str, str], ...]:
 
 
 _V = [(_dtypes.ctype(i), i) for i in _dtypes.V_IN]
+_FP8_CTYPES = {_dtypes.ctype(n) for n in _dtypes.FP8}  # outputs that always take the full kernel
 _O = [_dtypes.ctype(o) for o in _dtypes.V_OUT]
 
 # PPT: packs of V per thread per round (1 or 2). FULL = 0: the common call compiled without the
@@ -132,7 +133,7 @@ MERGE_STATE = Kernel(
         for co in _O
         for v in (1, vec(i))
         for ppt in (1, 2)
-        for full in ((1,) if co == _dtypes.ctype("float8_e4m3fn") else (0, 1))
+        for full in ((1,) if co in _FP8_CTYPES else (0, 1))
         for index in (("long long",) if full else ("int", "long long"))
     ),
     block=128,
@@ -164,7 +165,7 @@ F_GROUP_SHIFT = 7
 QUANT_GROUPS = (16, 32, 64, 128)  # values of one group of per-group fp8
 SAME_DTYPE_FEATURES = (F_A_EMPTY, F_A_EMPTY | F_A64, F_SINKS, F_ROW_MASK)
 RUN_FEATURES = (F_A_EMPTY | F_A_RUN, F_A_EMPTY | F_A64 | F_A_RUN)
-_FP8 = _dtypes.ctype("float8_e4m3fn")
+_FP8 = _dtypes.ctype(_dtypes.FP8[0])
 
 
 def group_feature(group: int, vec: int) -> int:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from . import dtypes as _dtypes
+
 
 def new(like: Any, is_torch: bool, device: int, shape: tuple[int, ...], dtype: str) -> Any:
     """An uninitialised tensor of ``like``'s family (torch when ``is_torch``, else numpy on
@@ -31,7 +33,7 @@ def ptr(x: Any) -> int:
 
 
 def _numpy_dtype(name: str) -> Any:
-    if name in ("bfloat16", "float8_e4m3fn"):
+    if _dtypes.TABLE[name].numpy == "ml_dtypes":  # no numpy type of its own
         import ml_dtypes
 
         return getattr(ml_dtypes, name)

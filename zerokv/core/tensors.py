@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import dtypes as _dtypes
+
 
 class Tensor(NamedTuple):
     obj: Any  # the caller's object (kept alive, and used for host-side fallbacks)
@@ -38,10 +40,9 @@ _TORCH_DTYPES: dict[Any, str] = {}
 
 def _torch_dtypes(torch: Any) -> dict[Any, str]:
     if not _TORCH_DTYPES:
-        for name in ("float16", "bfloat16", "float32", "float64", "int32", "int64", "bool", "uint8"):
-            _TORCH_DTYPES[getattr(torch, name)] = name
-        if hasattr(torch, "float8_e4m3fn"):
-            _TORCH_DTYPES[torch.float8_e4m3fn] = "float8_e4m3fn"
+        for name in (*_dtypes.TABLE, "float64"):  # float64: named in messages, taken by the CPU path
+            if hasattr(torch, name):
+                _TORCH_DTYPES[getattr(torch, name)] = name
     return _TORCH_DTYPES
 
 
