@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from zerokv import versions
+
 from .common import Row
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,7 +89,8 @@ def environment(b: Any, args: dict[str, Any]) -> dict[str, Any]:
     )
     env["triton"] = _try(lambda: __import__("triton").__version__)
     env["flashinfer"] = _try(lambda: __import__("flashinfer").__version__)
-    env["cupy"] = _try(lambda: __import__("cupy").__version__)
+    # from metadata: importing CuPy creates its kernel cache directory, which a dry run must not
+    env["cupy"] = _try(lambda: next(v for d in versions.CUPY if (v := versions.installed(d))))
     env["nvrtc"] = _try(_nvrtc_version)
     if b.dry:
         env["gpu"] = "none (dry run: CPU, synthetic times)"

@@ -31,8 +31,12 @@ def _fake_cupy(monkeypatch, capability=(9, 0), name="NVIDIA H200", **kw):
     monkeypatch.setattr(device, "import_cupy", lambda: fake)
     monkeypatch.setattr(device, "capability", lambda d: capability)
     monkeypatch.setattr(device, "device_name", lambda d: name)
-    monkeypatch.setattr(probe.importlib.util, "find_spec", lambda n, *a: object())
+    real = probe.importlib.util.find_spec  # CuPy "installed"; every other module as it is
+    monkeypatch.setattr(
+        probe.importlib.util, "find_spec", lambda n, *a: object() if n == "cupy" else real(n, *a)
+    )
     monkeypatch.setattr(probe, "installed_cupy_packages", lambda: ["cupy-cuda13x"])
+    monkeypatch.setattr(probe, "driver_devices", lambda: (1, ""))  # the driver sees a GPU
     return fake
 
 

@@ -80,13 +80,61 @@ def test_the_image_build_lines_are_what_the_cli_and_runtime_take():
     assert export_line == f"export {prebuilt.ENV}={args.out}"
 
 
-def test_every_link_is_absolute_and_names_a_file_of_the_repository():
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    home = re.search(r'^Homepage = "([^"]+)"', pyproject, re.MULTILINE).group(1).rstrip("/")
-    links = re.findall(r"\]\(([^)]+)\)", README)
-    assert links
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _anchors(path: Path) -> set[str]:
+    """The anchors a renderer gives the headings of a Markdown file (lowercase, punctuation
+    dropped, spaces as hyphens)."""
+    heads = re.findall(r"^#+ (.+)$", path.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_link_is_relative_and_names_a_file_of_the_repository(doc):
+    """Links that work in a clone, a fork and offline: relative, to a file (and heading) that
+    exists; no URL to a host the project does not have."""
+    links = LINK.findall(doc.read_text())
     for link in links:
-        assert link.startswith("https://"), f"relative link (breaks on a package index page): {link}"
-        if link.startswith(f"{home}/blob/main/"):
-            path = link.removeprefix(f"{home}/blob/main/").split("#")[0]
-            assert (ROOT / path).exists(), f"{link}: no {path} in the repository"
+        assert "://" not in link and not link.startswith("/"), f"{doc.name}: not a relative link: {link}"
+        path, _, anchor = link.partition("#")
+        target = (doc.parent / path).resolve() if path else doc
+        assert target.exists(), f"{doc.name}: {link}: no {target.relative_to(ROOT)} in the repository"
+        if anchor:
+            assert anchor in _anchors(target), f"{doc.name}: {link}: no heading #{anchor}"
+
+
+def test_no_page_or_metadata_names_a_project_host():
+    texts = [p.read_text() for p in DOCS] + [(ROOT / "pyproject.toml").read_text()]
+    for text in texts:
+        assert "github.com/zerokv" not in text
+    assert "[project.urls]" not in (ROOT / "pyproject.toml").read_text()
+
+
+def test_one_plot_of_a_benchmark_run_is_embedded():
+    images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README)
+    assert len(images) == 1 and images[0].startswith("bench/h200/") and images[0].endswith(".png")
+    assert (ROOT / images[0]).is_file()
+
+
+def test_every_figure_of_the_table_is_in_the_run_it_names():
+    """Each GPU and host figure of the README's table appears in a benchmark file of the date
+    and GPU its row names: figures are copied from runs, never typed from memory."""
+    section = README[README.index("## Figures") :]
+    rows = [r for r in section.splitlines() if r.startswith("| GPU µs") or r.startswith("| host µs")]
+    assert len(rows) >= 3
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        gpu, date = cells[-1].split(", ")
+        runs = [
+            p.read_text()
+            for p in (ROOT / "bench" / "h200").glob(f"zerokv-bench-{date.replace('-', '')}-*.md")
+            if gpu in p.read_text().splitlines()[0]
+        ]
+        assert runs, f"no {gpu} run of {date} in bench/h200/"
+        for cell in cells[1:-1]:
+            for figure in re.findall(r"\d+(?:\.\d+)?(?= \(| ?$)", cell):
+                assert any(re.search(rf"(?<![\d.]){re.escape(figure)}\*? ", run) for run in runs), (
+                    f"{figure} ({row}) is in no {gpu} run of {date}"
+                )

@@ -44,7 +44,7 @@ def _base_ignored(v, s, lse_base="e", *args, **kw):
 def cpu_only(monkeypatch):
     """No GPU and an offline compile that passes: only the CPU rows decide."""
     monkeypatch.setattr(selfcheck, "gpu_available", lambda: False)
-    monkeypatch.setattr(selfcheck, "offline_compile", lambda: ("compiled (stand-in)", True))
+    monkeypatch.setattr(selfcheck, "offline_compile", lambda quiet=False: ("compiled (stand-in)", True))
 
 
 def test_the_selfcheck_passes_with_the_real_reference(cpu_only, capsys):

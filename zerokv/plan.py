@@ -92,7 +92,11 @@ def plan_context_chunks(
     align = _positive(align, "align")
     total_q = int(q.sum())  # each <= 2^31 - 1, so no int64 wrap below 2^32 requests
     if total_q > _INT32_MAX:
-        raise ValueError(f"query_lens: the total {total_q} exceeds int32 query offsets (max {_INT32_MAX})")
+        i = int(np.argmax(np.cumsum(q) > _INT32_MAX))
+        raise ValueError(
+            f"query_lens: the total {total_q} exceeds int32 query offsets (max {_INT32_MAX}): the running "
+            f"sum passes it at index {i} of {q.shape[0]} requests; plan the batch in parts"
+        )
     with_context = int((ctx > 0).sum())
     width = (chunk_tokens // max(with_context, 1)) // align * align
     if width == 0:
@@ -165,12 +169,25 @@ def _lengths(x: Any, arg: str) -> np.ndarray:
     elif hasattr(x, "__dlpack_device__") and not isinstance(x, np.ndarray) and x.__dlpack_device__()[0] != 1:
         raise ValueError(f"{arg}: must be on the CPU (planning never syncs a device)")
     elif x is None or isinstance(x, (str, bytes, int, float)):
-        raise TypeError(f"{arg}: expected a 1-D sequence of integer lengths, got {type(x).__name__}")
+        one = f"; for one request pass [{x!r}]" if isinstance(x, int) else ""
+        raise TypeError(
+            f"{arg}: expected a 1-D sequence of integer lengths, got {type(x).__name__} {x!r:.60}{one}"
+        )
     else:
         try:
             a = np.asarray(x)
-        except (OverflowError, ValueError) as e:  # ragged nesting, or ints numpy cannot hold
-            raise ValueError(f"{arg}: not a 1-D sequence of integer lengths ({e})") from None
+        except (OverflowError, ValueError):  # ragged nesting, or ints numpy cannot hold
+            a = None
+        if a is None or (a.dtype.kind not in "iub" and not isinstance(x, np.ndarray)):  # name the element
+            problem = _element_problem(x, arg)
+            if problem is not None:
+                raise problem from None
+        if a is None:
+            raise ValueError(f"{arg}: not a 1-D sequence of integer lengths") from None
+    if a.ndim == 0:
+        raise ValueError(
+            f"{arg}: expected a 1-D sequence of lengths, got a 0-d array ({a.item()!r}); for one request pass [{a.item()!r}]"
+        )
     if a.ndim != 1:
         raise ValueError(f"{arg}: expected a 1-D sequence of lengths, got shape {a.shape}")
     if a.shape[0] == 0:
@@ -180,9 +197,34 @@ def _lengths(x: Any, arg: str) -> np.ndarray:
     if a.dtype.kind == "i" and (a < 0).any():
         raise ValueError(f"{arg}: negative length {int(a.min())} at index {int(np.argmin(a))}")
     if (a > _INT32_MAX).any():  # compared in the array's own dtype: no wrap of uint64 >= 2^63
-        i = int(np.argmax(a))
-        raise ValueError(f"{arg}: length {int(a[i])} at index {i} exceeds int32 offsets (max {_INT32_MAX})")
+        i = int(np.argmax(a > _INT32_MAX))
+        raise ValueError(
+            f"{arg}: length {int(a[i])} at index {i} exceeds int32 offsets (lengths are 0 to {_INT32_MAX})"
+        )
     return a.astype(np.int64)
+
+
+def _element_problem(x: Any, arg: str) -> Exception | None:
+    """The error naming the first element of the sequence ``x`` that is not an integer length
+    (a nested sequence, a non-integer, a length outside 0 to 2^31 - 1), or None."""
+    try:
+        items = list(x)
+    except TypeError:
+        return None
+    for i, v in enumerate(items):
+        if isinstance(v, (list, tuple)) or getattr(v, "ndim", 0) > 0:
+            return ValueError(
+                f"{arg}: element {i} is a {type(v).__name__} ({v!r:.60}), not a length: "
+                "expected a flat 1-D sequence of integers"
+            )
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            return TypeError(f"{arg}: element {i} is {v!r:.60} ({type(v).__name__}), not an integer length")
+        if not 0 <= v <= _INT32_MAX:
+            return ValueError(
+                f"{arg}: length {v} at index {i} {'exceeds int32 offsets' if v > 0 else 'is negative'} "
+                f"(lengths are 0 to {_INT32_MAX})"
+            )
+    return None
 
 
 def _to_torch(a: np.ndarray) -> Any:

@@ -13,12 +13,11 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
-from importlib import metadata
 from typing import NamedTuple
 
 import numpy as np
 
-from . import __version__, reference
+from . import reference, versions
 
 OFFLINE_ARCHS = ("sm_80", "sm_90")  # software and hardware fp8 conversion
 
@@ -45,11 +44,17 @@ HEADER = f"{'op':22s} {'dtype':15s} {'shape':16s} {'max error':>10s} {'limit':>8
 
 
 def gpu_available() -> bool:
+    """Whether a CUDA GPU can run the GPU checks. The driver is asked first, so that a machine
+    without a GPU never imports CuPy (whose import creates its cache directory); a cache
+    directory that cannot be created raises ``CacheDirError`` (an error, not "no GPU")."""
     from .core import disk_cache as _cache
+    from .core import probe as _probe
 
     if "cupy" not in sys.modules and importlib.util.find_spec("cupy") is None:
         return False  # no CuPy: no GPU path, and no CuPy cache directory to make
-    _cache.check_cupy_cache_dir()  # a cache directory that cannot be made: an error, not "no GPU"
+    if _probe.driver_devices()[0] == 0:
+        return False
+    _cache.check_cupy_cache_dir()
     try:
         import cupy
     except ImportError:
@@ -60,28 +65,12 @@ def gpu_available() -> bool:
         return False
 
 
-def _dist(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
+_dist = versions.installed
 
 
 def environment() -> tuple[str, list[str]]:
     """One line of versions (from package metadata: imports nothing), and warnings."""
-    parts = [f"zerokv {__version__}", f"Python {sys.version.split()[0]}", f"numpy {np.__version__}"]
-    cupys = [d for d in ("cupy-cuda12x", "cupy-cuda13x", "cupy") if _dist(d)]
-    for d in [*cupys, "cuda-bindings", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-nvrtc", "torch"]:
-        if _dist(d):
-            parts.append(f"{d} {_dist(d)}")
-    warnings = []
-    if len(cupys) > 1:
-        warnings.append(
-            f"WARNING: {' and '.join(cupys)} are all installed; they write the same `cupy` module. "
-            f"Uninstall them all (pip uninstall -y {' '.join(cupys)}) and install one extra: "
-            "zerokv[cuda12] or zerokv[cuda13]."
-        )
-    return ", ".join(parts), warnings
+    return versions.environment(_dist)
 
 
 def _err(out, ref_out, lse, ref_lse) -> float:
@@ -320,9 +309,11 @@ def _fp8_row(va, sa, vb, sb, timed, f64) -> Row:
 # --- without a GPU: the offline compile -------------------------------------------------------
 
 
-def offline_compile() -> tuple[str, bool]:
-    """Compile every instantiation for OFFLINE_ARCHS (cached); (what to print, passed)."""
+def offline_compile(quiet: bool = False) -> tuple[str, bool]:
+    """Compile every instantiation for OFFLINE_ARCHS (cached); (what to print, passed). On a
+    terminal its progress is drawn on stderr unless ``quiet``; piped, one line per arch."""
     from .core import offline as _offline
+    from .progress import Progress
 
     start = time.perf_counter()
     try:
@@ -332,13 +323,25 @@ def offline_compile() -> tuple[str, bool]:
     except ImportError as e:  # no cuda-bindings: nothing on a GPU path can be checked here
         return f"FAILED: nothing checked on a GPU path: no CUDA GPU, and {e}", False
     total, cached, failed = 0, 0, []
+    progress = Progress(quiet=quiet)
+    size = sum(len(e) for e in _offline.selected().values())
     for arch in OFFLINE_ARCHS:
-        for _, results in _offline.compile_arch(arch):
+        arch_start, arch_total = time.perf_counter(), 0
+        progress.start(arch, size)
+        for _, results in _offline.compile_arch(arch, before=lambda stem, n: progress.stage(stem)):
             if isinstance(results, _offline.CompileError):
                 failed.append(results.summary())
                 continue
-            total += len(results)
+            progress.advance(len(results))
+            arch_total += len(results)
             cached += sum(r.cached for r in results)
+        progress.finish()
+        total += arch_total
+        if not quiet:
+            print(
+                f"  {arch}: {arch_total} of {size} instantiations, {time.perf_counter() - arch_start:.1f} s",
+                flush=True,
+            )
     took = time.perf_counter() - start
     line = (
         f"compiled {total} kernel instantiations for {', '.join(OFFLINE_ARCHS)} through NVRTC in {took:.2f} s"
@@ -349,7 +352,8 @@ def offline_compile() -> tuple[str, bool]:
     return line, True
 
 
-def main() -> int:
+def main(quiet: bool = False) -> int:
+    """The self-check; ``quiet``: no progress lines while compiling without a GPU."""
     env, warnings = environment()
     print(env)
     for w in warnings:
@@ -362,7 +366,15 @@ def main() -> int:
     )
     print(HEADER)
     print("\n".join(str(r) for r in rows))
-    if gpu_available():
+    from .core import disk_cache as _cache
+
+    try:
+        gpu = gpu_available()
+    except _cache.CacheDirError as e:  # one line that says what to do, not a traceback
+        print(f"\nFAILED: {' '.join(str(e).removeprefix('zerokv: ').split())}")
+        print("FAILED")
+        return 1
+    if gpu:
         from .core import device as _device
 
         major, minor = _device.capability(0)
@@ -374,8 +386,11 @@ def main() -> int:
         print(f"(compile + run: {time.perf_counter() - t:.1f} s)")
         rows += gpu_rows
     else:
-        print("\nno CUDA GPU found: compiling every kernel without one")
-        line, passed = offline_compile()
+        from .core import offline as _offline
+
+        size = sum(len(e) for e in _offline.selected().values()) * len(OFFLINE_ARCHS)
+        print(f"\nno CUDA GPU found: compiling every kernel without one ({size} instantiations)", flush=True)
+        line, passed = offline_compile(quiet)
         print(line)
         ok = ok and passed
     bad = [r for r in rows if not r.ok()]

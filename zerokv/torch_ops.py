@@ -55,6 +55,18 @@ _lib.define(
 _NAMES = {"a_empty[0]": "a_cu_seqlens_q", "a_empty[1]": "a_kv_lens"}
 
 
+def _base(lse_base):
+    """The schema's string base (``'e'`` or ``'2'``: a schema argument has one type) as the
+    native API takes it (``"e"`` or the number 2)."""
+    if lse_base == "2":
+        return 2
+    if lse_base == "e":
+        return "e"
+    raise ValueError(
+        f"lse_base: expected 'e' or '2' (torch.ops.zerokv takes the base as a string), got {lse_base!r}"
+    )
+
+
 def _a_empty(a_cu_seqlens_q, a_kv_lens):
     """The native ``a_empty`` pair; half of it is an error, not an absent pair."""
     if (a_cu_seqlens_q is None) != (a_kv_lens is None):
@@ -72,7 +84,21 @@ def _merge_state(
 ):
     a_empty = None if a_cu_seqlens_q is None and a_kv_lens is None else _a_empty(a_cu_seqlens_q, a_kv_lens)
     return _merge_plans.two(
-        v_a, s_a, v_b, s_b, None, None, lse_base, prefix_rows, a_empty, None, sinks, None, False, None, _NAMES
+        v_a,
+        s_a,
+        v_b,
+        s_b,
+        None,
+        None,
+        _base(lse_base),
+        prefix_rows,
+        a_empty,
+        None,
+        sinks,
+        None,
+        False,
+        None,
+        _NAMES,
     )
 
 
@@ -101,7 +127,7 @@ def _merge_state_out(
         s_b,
         out,
         out_lse,
-        lse_base,
+        _base(lse_base),
         prefix_rows,
         a_empty,
         out_scale,
@@ -117,7 +143,7 @@ def _merge_state_out(
 
 
 def _merge_states(v, s, lse_base="e", sinks=None):
-    return _merge_states_plan.n((v, s, None, None, None, sinks), (lse_base, True))
+    return _merge_states_plan.n((v, s, None, None, None, sinks), (_base(lse_base), True))
 
 
 def _merge_states_out(
@@ -125,7 +151,7 @@ def _merge_states_out(
     scale_format="float32",
 ):  # fmt: skip
     _merge.merge_states(
-        v, s, out=out, out_lse=out_lse, lse_base=lse_base, out_scale=out_scale, sinks=sinks,
+        v, s, out=out, out_lse=out_lse, lse_base=_base(lse_base), out_scale=out_scale, sinks=sinks,
         out_block_scale=out_block_scale, quant_group=quant_group, scale_format=scale_format,
     )  # fmt: skip
 
@@ -190,3 +216,51 @@ def _fixup_fake(out, lse, kv_lens, cu_seqlens_q):
 @torch.library.register_fake("zerokv::mask_empty_context", lib=_lib)
 def _mask_fake(out, lse, cu_seqlens_q, cu_seqlens_kv):
     return None
+
+
+# --- torch's schema errors, with the zerokv function to call instead ------------------------------
+
+# torch.ops.zerokv.<op> -> the native function that takes what the schema cannot
+_NATIVE = {
+    "merge_state": "zerokv.merge_state",
+    "merge_state_out": "zerokv.merge_state(..., out=..., out_lse=...)",
+    "merge_states": "zerokv.merge_states",
+    "merge_states_out": "zerokv.merge_states(..., out=..., out_lse=...)",
+    "fixup_zero_kv_rows": "zerokv.fixup_zero_kv_rows",
+    "mask_empty_context": "zerokv.mask_empty_context",
+}
+
+
+class OpArgumentError(TypeError, RuntimeError):
+    """An argument torch's schema of a ``torch.ops.zerokv`` op refuses; a ``TypeError`` that is
+    still the ``RuntimeError`` torch raises, so that code catching either keeps working."""
+
+
+def _explained(name: str, op):
+    """``op`` (the packet's C++ entry) raising :class:`OpArgumentError` that names the zerokv
+    function to call instead where torch's schema refuses an argument (numpy or CuPy arrays,
+    lists, an int base); one Python frame more per call, nothing else."""
+    native = _NATIVE[name]
+
+    def call(*args, **kwargs):
+        try:
+            return op(*args, **kwargs)
+        except RuntimeError as e:
+            text = str(e)
+            if "Expected a value of type" not in text and "failed to match any schema" not in text:
+                raise
+            first = next((line for line in text.splitlines() if "Expected a value of type" in line), text)
+            raise OpArgumentError(
+                f"torch.ops.zerokv.{name}: {first.strip()} torch.ops.zerokv takes torch tensors, "
+                f"Python ints and lse_base as the string 'e' or '2'; for numpy or CuPy arrays, "
+                f"other DLPack producers or lse_base=2, call {native}"
+            ) from e
+
+    call.__name__ = call.__qualname__ = name
+    call.__module__ = getattr(op, "__module__", __name__)
+    return call
+
+
+for _name in _NATIVE:
+    _packet = getattr(torch.ops.zerokv, _name)
+    _packet._op = _explained(_name, _packet._op)

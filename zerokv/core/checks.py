@@ -126,9 +126,11 @@ def pair(x: Any, arg: str) -> tuple[Any, Any]:
 
 
 def prefix_rows(value: Any, T: int, arg: str) -> None:
+    """None, or a Python or numpy integer in ``[0, T]`` (numpy integers, as plan_context_chunks
+    takes them: a count read from a plan's arrays is one)."""
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{arg}: expected an int or None, got {type(value).__name__} {value!r}")
     if not 0 <= value <= T:
         raise ValueError(f"{arg}: expected 0 <= {arg} <= T={T}, got {value}")
@@ -151,16 +153,18 @@ LSE_BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
 
 
 def lse_base(value: Any, arg: str = "lse_base") -> str:
-    """'e' (natural log) or '2' (base-2 LSE, as FlashInfer / trtllm-gen produce)."""
-    if isinstance(value, str) and value in ("e", "E", "2"):
-        return "2" if value == "2" else "e"
+    """The documented bases only: ``"e"`` (natural log) or the number 2 (base-2 LSE, as
+    FlashInfer / trtllm-gen produce); answers ``"e"`` or ``"2"`` (the key of LSE_BASES)."""
+    if isinstance(value, str) and value == "e":
+        return "e"
     if (
-        not isinstance(value, bool)
+        not isinstance(value, (bool, np.bool_))
         and isinstance(value, (int, float, np.integer, np.floating))
         and value == 2
     ):
         return "2"
-    raise ValueError(f"{arg}: expected 'e' or 2, got {value!r}")
+    hint = " (the number 2, not a string)" if value == "2" else ""
+    raise ValueError(f"{arg}: expected 'e' or 2{hint}, got {value!r}")
 
 
 def out_scale(x: Any, out_dtype: str, device: int, arg: str = "out_scale") -> Tensor | None:

@@ -115,6 +115,10 @@ def cupy_cache_dir() -> str:
     return os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
 
 
+class CacheDirError(RuntimeError):
+    """CuPy's kernel cache directory does not exist and cannot be created."""
+
+
 def check_cupy_cache_dir() -> None:
     """Call before the first ``import cupy``: CuPy creates its cache directory on import and a
     directory that cannot be created fails the import with a bare ``OSError``."""
@@ -126,7 +130,7 @@ def check_cupy_cache_dir() -> None:
     try:
         os.makedirs(d, exist_ok=True)
     except OSError as e:
-        raise RuntimeError(
+        raise CacheDirError(
             f"zerokv: CuPy's kernel cache directory {d} does not exist and cannot be created "
             f"({e.strerror or e}). Set CUPY_CACHE_DIR to a writable directory, or create {d}."
         ) from e

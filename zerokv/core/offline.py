@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -38,6 +38,7 @@ class Compiled:
     cubin_bytes: int
     seconds: float  # for the whole stem (all its instantiations in one program); 0 from the cache
     cached: bool = False
+    kept: bool = False  # not asked for: built before into the same --out directory, built again
 
 
 class ArchError(ValueError):
@@ -230,12 +231,20 @@ def compile_stem(
 
     ``directory``: another folder of kernel sources to compile instead (default: the package's
     ``kernels_cu``). ``out``: a kernel directory to write the binary and its record into (what
-    ``ZEROKV_KERNEL_DIR`` serves at run time). A failed compile raises :class:`CompileError`
+    ``ZEROKV_KERNEL_DIR`` serves at run time; the instantiations an entry there already holds
+    for this build are built again beside ``exprs``, so the directory only grows; they come back
+    marked ``kept``). A failed compile raises :class:`CompileError`
     naming each failing instantiation and carrying the NVRTC log.
     """
     exprs = list(_kernels.instantiations()[stem] if exprs is None else exprs)
     code = _sources.source(stem, directory)
     version = nvrtc_version()
+    asked = set(exprs)
+    if out is not None:  # what the directory holds of this build stays in it, beside the new
+        before = set(_prebuilt.built(out, stem, arch, code, options(arch), version)) - asked
+        if before:
+            order = [e for e in _kernels.instantiations().get(stem, []) if e in asked | before]
+            exprs = order + sorted((asked | before) - set(order))
     key = _cache.digest(code, "\0".join(exprs), " ".join(options(arch)), "nvrtc {}.{}".format(*version))
     hit = _load(key, stem, exprs) if cache else None
     if hit is not None:
@@ -249,7 +258,8 @@ def compile_stem(
     if out is not None:
         _prebuilt.write(out, stem, arch, code, options(arch), version, exprs, lowered, cubin)
     return [
-        Compiled(stem, e, low, len(cubin), seconds, cached) for e, low in zip(exprs, lowered, strict=True)
+        Compiled(stem, e, low, len(cubin), seconds, cached, kept=e not in asked)
+        for e, low in zip(exprs, lowered, strict=True)
     ]
 
 
@@ -311,16 +321,28 @@ def _load(key: str, stem: str, exprs: list[str]) -> tuple[list[str], bytes] | No
     return lowered, cubin
 
 
+def selected(exprs: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
+    """stem -> the name expressions a compile builds (``exprs``, default all), stems with none
+    left out: what :func:`compile_arch` compiles, in its order (the progress' total)."""
+    wanted = _kernels.instantiations() if exprs is None else exprs
+    return {stem: list(e) for stem, e in wanted.items() if e}
+
+
 def compile_arch(
-    arch: str, *, cache: bool = True, exprs: dict[str, list[str]] | None = None, out: Path | None = None
+    arch: str,
+    *,
+    cache: bool = True,
+    exprs: dict[str, list[str]] | None = None,
+    out: Path | None = None,
+    before: Callable[[str, int], None] | None = None,
 ) -> Iterator[tuple[str, list[Compiled] | CompileError]]:
     """``(stem, results)`` of every stem for ``arch`` in turn (``exprs``: stem -> the name
-    expressions to build, default all; ``out``: a kernel directory to write); a stem that fails
-    gives its :class:`CompileError` in place of the results, and the others still compile."""
-    wanted = _kernels.instantiations() if exprs is None else exprs
-    for stem, stem_exprs in wanted.items():
-        if not stem_exprs:
-            continue
+    expressions to build, default all; ``out``: a kernel directory to write; ``before(stem, n)``:
+    called as a stem of n instantiations starts); a stem that fails gives its
+    :class:`CompileError` in place of the results, and the others still compile."""
+    for stem, stem_exprs in selected(exprs).items():
+        if before is not None:
+            before(stem, len(stem_exprs))
         try:
             yield stem, compile_stem(stem, arch, cache=cache, exprs=stem_exprs, out=out)
         except CompileError as e:

@@ -65,6 +65,29 @@ def write(
     return out / f"{name}.json"
 
 
+def built(
+    out: Path, stem: str, arch: str, code: str, options: list[str], nvrtc: tuple[int, int]
+) -> list[str]:
+    """The name expressions of the entry ``out`` already holds for ``stem`` and ``arch`` when it
+    was built from this source text, options and NVRTC (a later ``compile --out`` into the same
+    directory builds them again beside its own, so that it adds to the directory and drops
+    nothing); [] for no entry, or one of another build (replaced: it could never be loaded)."""
+    try:
+        meta = json.loads((out / f"{entry_name(stem, arch)}.json").read_bytes())
+        same = (
+            meta["format"] == FORMAT
+            and meta["stem"] == stem
+            and meta["arch"] == arch
+            and meta["source_sha256"] == sha256(code)
+            and list(meta["options"]) == list(options)
+            and tuple(meta["nvrtc"]) == tuple(nvrtc)
+        )
+        exprs = list(meta["expressions"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
+    return [str(e) for e in exprs] if same and all(isinstance(e, str) for e in exprs) else []
+
+
 # --- loading (the run time) -------------------------------------------------------------------
 
 

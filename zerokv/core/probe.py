@@ -1,12 +1,14 @@
 """``zerokv.can_run``: whether zerokv can launch on a device, and if not why, in one line.
 
 For an engine choosing its fallback before the first call: it never raises and compiles nothing
-(it reads package metadata, imports CuPy, asks the driver for the device and loads NVRTC's
-library to read its version).
+(it reads package metadata, asks the NVIDIA driver how many devices it sees, and only then
+imports CuPy, reads the device and loads NVRTC's library to read its version). Importing CuPy
+creates its kernel cache directory, so a machine without a GPU is answered before that import.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import sys
 from importlib import metadata
@@ -65,7 +67,52 @@ def can_run(device: Any = None) -> tuple[bool, str]:
         )
 
 
+def driver_devices() -> tuple[int, str]:
+    """``(devices, why)``: how many CUDA devices the NVIDIA driver sees, asked of ``libcuda``
+    directly (no CuPy import, no CUDA runtime, nothing written), and when none, why in words."""
+    for name in ("libcuda.so.1", "libcuda.so"):
+        try:
+            lib = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        return 0, "no CUDA GPU: no NVIDIA driver is installed (libcuda.so.1 cannot be loaded)"
+    status = lib.cuInit(0)
+    if status == _CUDA_ERROR_NO_DEVICE:
+        return 0, "no CUDA GPU: the NVIDIA driver sees no device"
+    if status != 0:
+        return 0, f"no usable CUDA GPU: the NVIDIA driver fails to start ({_driver_error(lib, status)})"
+    count = ctypes.c_int(0)
+    status = lib.cuDeviceGetCount(ctypes.byref(count))
+    if status != 0:
+        return (
+            0,
+            f"no usable CUDA GPU: the NVIDIA driver cannot count its devices ({_driver_error(lib, status)})",
+        )
+    if count.value == 0:
+        return 0, "no CUDA GPU: the NVIDIA driver sees no device"
+    return count.value, ""
+
+
+_CUDA_ERROR_NO_DEVICE = 100
+
+
+def _driver_error(lib: Any, status: int) -> str:
+    """The driver's name of an error code (``CUDA_ERROR_...``), else the number."""
+    name = ctypes.c_char_p()
+    try:
+        if lib.cuGetErrorName(status, ctypes.byref(name)) == 0 and name.value:
+            return name.value.decode()
+    except (AttributeError, OSError):
+        pass
+    return f"error {status}"
+
+
 def _can_run(device: Any) -> tuple[bool, str]:
+    wanted = device_argument(device)
+    if isinstance(wanted, str):
+        return False, wanted
     packages = installed_cupy_packages()
     if len(packages) > 1:
         return False, two_cupy_message()
@@ -74,10 +121,16 @@ def _can_run(device: Any) -> tuple[bool, str]:
             False,
             "CuPy is not installed: pip install 'zerokv[cuda13]' (CUDA 13 driver) or 'zerokv[cuda12]'",
         )
+    count, why = driver_devices()  # before CuPy's import, which creates CuPy's cache directory
+    if count == 0:
+        return False, why
     from . import device as _device
+    from . import disk_cache as _cache
 
     try:
         cupy = _device.import_cupy()
+    except _cache.CacheDirError as e:  # CuPy is fine; the directory its import creates is not
+        return False, " ".join(str(e).removeprefix("zerokv: ").split())
     except Exception as e:
         return False, f"CuPy cannot be imported ({' '.join(str(e).split())})"
     if getattr(cupy.cuda.runtime, "is_hip", False):
@@ -88,9 +141,7 @@ def _can_run(device: Any) -> tuple[bool, str]:
         return False, f"no usable CUDA GPU ({' '.join(str(e).split())})"
     if count == 0:
         return False, "no CUDA GPU"
-    index = _index(device, cupy)
-    if isinstance(index, str):
-        return False, index
+    index = wanted if wanted is not None else _current(cupy)
     if index >= count:
         return False, f"cuda:{index} does not exist ({count} CUDA device{'s' if count != 1 else ''})"
     major, minor = _device.capability(index)
@@ -111,19 +162,30 @@ def _can_run(device: Any) -> tuple[bool, str]:
     return True, f"cuda:{index} ({name}, sm_{major}{minor}, NVRTC {nv[0]}.{nv[1]}): zerokv can launch here"
 
 
-def _index(device: Any, cupy: Any) -> int | str:
-    """The device ordinal, or a one-line reason it is not a CUDA device."""
+def device_argument(device: Any) -> int | None | str:
+    """``device`` as a CUDA ordinal (None: the current device), or a one-line reason it names no
+    CUDA device; read before anything else is asked, so a bad argument is what the answer names."""
     if device is None:
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            return int(torch.cuda.current_device())
-        return int(cupy.cuda.runtime.getDevice())
+        return None
     if isinstance(device, bool):
-        return f"device {device!r} is not a CUDA device"
+        return f"device {device!r} is not a CUDA device (expected None, an int, 'cuda:N' or a torch.device)"
     if isinstance(device, int):
-        return device if device >= 0 else f"device {device!r} is negative"
+        return device if device >= 0 else f"device {device!r} is negative (CUDA ordinals start at 0)"
+    if not isinstance(device, str) and type(device).__name__ != "device":
+        return (
+            f"device {device!r} ({type(device).__name__}) is not a CUDA device "
+            "(expected None, an int, 'cuda:N' or a torch.device)"
+        )
     text = str(device)
     kind, _, number = text.partition(":")
     if kind != "cuda" or not (number.isdigit() or number == ""):
-        return f"device {device!r} is not a CUDA device"
-    return int(number) if number else _index(None, cupy)
+        return f"device {device!r} is not a CUDA device (expected None, an int, 'cuda:N' or a torch.device)"
+    return int(number) if number else None
+
+
+def _current(cupy: Any) -> int:
+    """The current CUDA device: torch's when torch is imported and sees a GPU, else CuPy's."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return int(torch.cuda.current_device())
+    return int(cupy.cuda.runtime.getDevice())
