@@ -148,7 +148,9 @@ def _calls(zk: Any, torch: Any, dev: str, T: int, only_plain: bool = False) -> d
             "vllm.merge_attn_states": lambda: vllm.merge_attn_states(out, va, sa_ht, vb, sb_ht, ol_ht),
             "sglang.merge_state_v2": lambda: sglang.merge_state_v2(va, sa, vb, sb, out, ol),
             "flashinfer.merge_state_in_place": lambda: flashinfer.merge_state_in_place(out, ol, vb, sb),
-            "torch.ops.zerokv.merge_state_out": lambda: torch.ops.zerokv.merge_state_out(va, sa, vb, sb, out, ol),
+            "torch.ops.zerokv.merge_state_out": lambda: torch.ops.zerokv.merge_state_out(
+                va, sa, vb, sb, out, ol
+            ),
             "merge_states (N = 3)": lambda: zk.merge_states(v3, s3, out=out, out_lse=ol),
             "fixup_zero_kv_rows": lambda: zk.fixup_zero_kv_rows(out, ol, kv, idx),
             "mask_empty_context": lambda: zk.mask_empty_context(out, ol, idx, idx),
