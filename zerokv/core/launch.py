@@ -58,16 +58,25 @@ def driver() -> _Driver:
     return _driver_cache[0]
 
 
+def primary_context(device: int) -> int:
+    """The device's primary context (``CUcontext``, as an int)."""
+    cupy = _device.import_cupy()
+    with cupy.cuda.Device(device):
+        cupy.cuda.runtime.free(0)  # binds the primary context to this thread
+        return int(cupy.cuda.driver.ctxGetCurrent())
+
+
 class Launcher:
     """One loaded instantiation on one device, ready to launch with packed arguments."""
 
-    __slots__ = ("kernel", "expr", "device", "handle", "block", "pack_into", "nbytes", "driver")
+    __slots__ = ("kernel", "expr", "device", "handle", "context", "block", "pack_into", "nbytes", "driver")
 
     def __init__(self, kernel: Kernel, targs: tuple, device: int) -> None:
         self.kernel = kernel
         self.expr = kernel.expr(*targs)
         self.device = device
         self.handle = _compiler.function(kernel, self.expr, device).ptr
+        self.context = primary_context(device)  # the compiled executor makes it current when it is not
         self.block = kernel.block
         self.pack_into = kernel.packer.pack_into
         self.nbytes = kernel.packer.size

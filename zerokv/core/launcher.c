@@ -1,0 +1,1105 @@
+/*
+ * The compiled executor of zerokv's bound calls (zerokv/core/bound.py holds the format and
+ * zerokv/core/pyexec.py the Python executor; both run a call the same way).
+ *
+ * run(bc, objs, scalars) executes the records of bc.table on one call's arguments: torch
+ * tensors are read through DLPack's C exchange API of their type (a DLTensor view, no Python
+ * object made), each check of the table made on 64-bit registers; a call the table takes is
+ * launched with cuLaunchKernel on torch's current stream and its result returned, a call it does
+ * not take returns None (the caller's full validation then raises or builds a new signature).
+ *
+ * No CUDA or torch header is needed: the DLPack structures and the driver's prototypes are
+ * declared here, and the driver is found in the process (libcuda.so.1) at the first launch.
+ * Built at first use by zerokv/core/cexec.py with the host C compiler.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+
+/* ---- the record format (zerokv/core/bound.py; cexec checks the two agree at load) ------------ */
+
+enum {
+    RECORD = 16,
+    NREG = 192,
+    N_TENSORS = 12,
+    R_ZERO = 0,
+    R_ONE = 1,
+    R_WIDEST = 2,
+    R_STOR = 3,
+    R_MISALIGN = 4,
+    TENSOR_BASE = 8,
+    TENSOR_REGS = 10,
+    CONST_BASE = 160,
+    T_PTR = 0,
+    T_SIZE = 1,
+    T_STRIDE = 5,
+    T_END = 9,
+};
+
+enum {
+    OP_TENSOR = 1,
+    OP_ABSENT = 2,
+    OP_SCALAR = 3,
+    OP_EQ = 4,
+    OP_RANGE = 5,
+    OP_CHECK = 6,
+    OP_APART = 7,
+    OP_ARITH = 8,
+    OP_DONE_IF_ZERO = 9,
+    OP_KEY = 10,
+    OP_DISTINCT = 11,
+    OP_ALLOC = 12,
+};
+
+enum { F_TRANSPOSE = 1, F_OUTPUT = 2, F_UNIT_INNER = 4, F_ALIGN = 8, F_INNER_IN_ALIGN = 16 };
+
+enum { A_ADD, A_SUB, A_MUL, A_OR, A_AND, A_EQ, A_LT, A_NE, A_MAX, A_GT, A_COUNT };
+
+#define F32_PARAM 4  /* a pack record's size | F32_PARAM << 8: the value written as an f32 */
+#define MAX_RECORDS 256
+#define MAX_KEY (RECORD - 3)
+#define MAX_SLOTS 64
+#define MAX_PARAMS 128
+#define MAX_PARAM_BYTES 4096
+#define FORMS_KEPT 16 /* forms remembered per bound call (engines meet a handful) */
+
+/* ---- DLPack 1.x, as the specification lays it out ------------------------------------------ */
+
+enum { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3 };
+
+typedef struct {
+    uint32_t major;
+    uint32_t minor;
+} DLPackVersion;
+
+typedef struct {
+    int32_t device_type;
+    int32_t device_id;
+} DLDevice;
+
+typedef struct {
+    uint8_t code;
+    uint8_t bits;
+    uint16_t lanes;
+} DLDataType;
+
+typedef struct {
+    void *data;
+    DLDevice device;
+    int32_t ndim;
+    DLDataType dtype;
+    int64_t *shape;
+    int64_t *strides; /* NULL: row-major */
+    uint64_t byte_offset;
+} DLTensor;
+
+typedef struct DLPackExchangeAPIHeader {
+    DLPackVersion version;
+    struct DLPackExchangeAPIHeader *prev_api;
+} DLPackExchangeAPIHeader;
+
+/* Only the two entries zerokv calls are typed; the others are kept as opaque slots. */
+typedef struct {
+    DLPackExchangeAPIHeader header;
+    void *managed_tensor_allocator;
+    void *managed_tensor_from_py_object_no_sync;
+    void *managed_tensor_to_py_object_no_sync;
+    int (*dltensor_from_py_object_no_sync)(void *py_object, DLTensor *out);
+    int (*current_work_stream)(int32_t device_type, int32_t device_id, void **out_stream);
+} DLPackExchangeAPI;
+
+/* ---- the driver's entry points, found at the first real launch ----------------------------- */
+
+typedef int (*cuLaunchKernel_t)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                unsigned by, unsigned bz, unsigned shared, void *stream,
+                                void **params, void **extra);
+typedef int (*cuCtxGetCurrent_t)(void **ctx);
+typedef int (*cuCtxPushCurrent_t)(void *ctx);
+typedef int (*cuCtxPopCurrent_t)(void **ctx);
+typedef int (*cuGetErrorName_t)(int error, const char **name);
+
+static struct {
+    int tried;
+    void *lib;
+    cuLaunchKernel_t launch;
+    cuCtxGetCurrent_t get_current;
+    cuCtxPushCurrent_t push;
+    cuCtxPopCurrent_t pop;
+    cuGetErrorName_t error_name;
+} cu;
+
+static int load_driver(void)
+{
+    if (cu.launch != NULL)
+        return 0;
+    if (!cu.tried) {
+        cu.tried = 1;
+        cu.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (cu.lib == NULL)
+            cu.lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+        if (cu.lib != NULL) {
+            cu.get_current = (cuCtxGetCurrent_t)dlsym(cu.lib, "cuCtxGetCurrent");
+            cu.push = (cuCtxPushCurrent_t)dlsym(cu.lib, "cuCtxPushCurrent_v2");
+            cu.pop = (cuCtxPopCurrent_t)dlsym(cu.lib, "cuCtxPopCurrent_v2");
+            cu.error_name = (cuGetErrorName_t)dlsym(cu.lib, "cuGetErrorName");
+            if (cu.get_current && cu.push && cu.pop)
+                cu.launch = (cuLaunchKernel_t)dlsym(cu.lib, "cuLaunchKernel");
+        }
+    }
+    if (cu.launch != NULL)
+        return 0;
+    PyErr_SetString(PyExc_RuntimeError,
+                    "zerokv: the CUDA driver (libcuda.so.1) cannot be loaded to launch a kernel");
+    return -1;
+}
+
+/* ---- module state: where launches go, Python helpers ---------------------------------------- */
+
+static PyObject *recorder;         /* fn(entry, grid, grid_y, params) or NULL */
+static int counting;               /* launches counted, never made (set_recorder(None, False)) */
+static long long launch_count;     /* launches since the last set_recorder */
+static PyObject *writable_cheap;   /* generic_tensors.writable_cheap (bind()) */
+static PyObject *unreadable;       /* the exceptions that make a call "not taken" */
+static PyObject *s_requires_grad, *s_is_inference, *s_c_state, *s_table, *s_torch_type,
+    *s_device, *s_result, *s_allocators, *s_entry, *s_launcher, *s_expr;
+static PyObject *s_handle, *s_context, *s_block, *s_grid, *s_per_token, *s_run_tail,
+    *s_run_spans, *s_cap, *s_pack, *s_const_bits, *s_nbytes, *s_t_lo, *s_t_hi;
+
+#define STATE_CAPSULE "zerokv.bound_call_state"
+
+/* ---- a bound call's state: its records decoded once, and the forms met so far ------------- */
+
+typedef struct {
+    int32_t offset, size, f32, src;
+} Pack;
+
+typedef struct {
+    PyObject *entry; /* the Python Entry (owned); NULL: the slot is free */
+    int64_t t_lo, t_hi;
+    int64_t rest[MAX_KEY];
+    void *handle, *context;
+    int64_t block, grid, per_token, run_tail, run_spans, cap;
+    int32_t npack, nbytes;
+    Pack pack[MAX_PARAMS];
+    uint64_t const_bits[NREG - CONST_BASE];
+    int32_t nconst;
+} Form;
+
+typedef struct {
+    int nrec;
+    int64_t (*rec)[RECORD];
+    int8_t tensor_of[MAX_RECORDS]; /* a TENSOR record's block */
+    PyTypeObject *type;            /* the signature's tensor type (owned) */
+    const DLPackExchangeAPI *api;
+    int64_t device;
+    int nresult;
+    int result[MAX_SLOTS];
+    int next_form;
+    Form forms[FORMS_KEPT];
+} State;
+
+static void state_free(PyObject *capsule)
+{
+    State *st = (State *)PyCapsule_GetPointer(capsule, STATE_CAPSULE);
+    if (st == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    for (int i = 0; i < FORMS_KEPT; i++)
+        Py_XDECREF(st->forms[i].entry);
+    Py_XDECREF(st->type);
+    PyMem_Free(st->rec);
+    PyMem_Free(st);
+}
+
+static int reg_ok(int64_t i) { return i >= 0 && i < NREG; }
+
+/* A record the executor can run without reading outside its registers, tensor blocks or slots;
+ * anything else makes the whole table one this executor never takes. */
+static int record_ok(const int64_t *r, int *k)
+{
+    switch (r[0]) {
+    case OP_TENSOR:
+        if (*k >= N_TENSORS || r[1] < 0 || r[1] >= MAX_SLOTS || r[2] < 1 || r[2] > 4 || r[6] < 1 ||
+            r[7] < 1 || r[12] < 1)
+            return 0;
+        for (int i = 0; i < r[2]; i++)
+            if (r[8 + i] >= NREG)
+                return 0;
+        (*k)++;
+        return 1;
+    case OP_ABSENT:
+        return 1;
+    case OP_SCALAR:
+        return r[1] >= 0 && r[1] < MAX_SLOTS && reg_ok(r[2]) && reg_ok(r[3]) && reg_ok(r[4]);
+    case OP_EQ:
+        return reg_ok(r[1]) && reg_ok(r[2]);
+    case OP_RANGE:
+    case OP_CHECK:
+    case OP_DONE_IF_ZERO:
+        return reg_ok(r[1]);
+    case OP_APART:
+        return r[1] >= 0 && r[1] < N_TENSORS;
+    case OP_ARITH:
+        return reg_ok(r[1]) && r[2] >= 0 && r[2] < A_COUNT && reg_ok(r[3]) && r[4] < NREG;
+    case OP_DISTINCT:
+        return r[1] >= 0 && r[1] < N_TENSORS && r[2] < 4;
+    case OP_ALLOC:
+        if (r[1] < 0 || r[1] >= MAX_SLOTS || r[2] < 0 || r[3] < 0 || r[3] >= N_TENSORS || r[4] < 1 ||
+            r[4] > 4)
+            return 0;
+        for (int i = 0; i < r[4]; i++)
+            if (!reg_ok(r[5 + i]))
+                return 0;
+        return 1;
+    case OP_KEY:
+        if (!reg_ok(r[1]) || r[2] < 0 || r[2] > MAX_KEY)
+            return 0;
+        for (int i = 0; i < r[2]; i++)
+            if (!reg_ok(r[3 + i]))
+                return 0;
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* The exchange API of a tensor type (its __dlpack_c_exchange_api__ capsule), cached per type;
+ * NULL when the type publishes none that this executor can use. */
+static const DLPackExchangeAPI *exchange_api(PyTypeObject *type)
+{
+    static PyTypeObject *seen_type[8];
+    static const DLPackExchangeAPI *seen_api[8];
+    for (int i = 0; i < 8; i++)
+        if (seen_type[i] == type)
+            return seen_api[i];
+    PyObject *capsule = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
+    if (capsule == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    const DLPackExchangeAPI *api = NULL;
+    if (PyCapsule_IsValid(capsule, "dlpack_exchange_api"))
+        api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
+    Py_DECREF(capsule);
+    if (api != NULL && (api->header.version.major != 1 || api->dltensor_from_py_object_no_sync == NULL ||
+                        api->current_work_stream == NULL))
+        api = NULL;
+    for (int i = 0; i < 8; i++)
+        if (seen_type[i] == NULL) {
+            Py_INCREF(type); /* a tensor type lives as long as the process */
+            seen_type[i] = type;
+            seen_api[i] = api;
+            break;
+        }
+    return api;
+}
+
+static int64_t as_i64(PyObject *v, int *bad)
+{
+    int overflow = 0;
+    long long x = PyLong_Check(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : (*bad = 1, 0);
+    if (overflow || (x == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        *bad = 1;
+    }
+    return x;
+}
+
+/* bc's state, decoded on its first run; NULL with no exception: bc is not a table this executor
+ * runs; NULL with an exception: a real failure (memory). Returns a new reference. */
+static PyObject *state_of(PyObject *bc)
+{
+    PyObject *cached = PyObject_GetAttr(bc, s_c_state);
+    if (cached == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    if (PyCapsule_CheckExact(cached) && PyCapsule_IsValid(cached, STATE_CAPSULE))
+        return cached;
+    Py_DECREF(cached);
+
+    PyObject *table = NULL, *type = NULL, *device = NULL, *result = NULL, *capsule = NULL;
+    State *st = NULL;
+    table = PyObject_GetAttr(bc, s_table);
+    type = table ? PyObject_GetAttr(bc, s_torch_type) : NULL;
+    device = type ? PyObject_GetAttr(bc, s_device) : NULL;
+    result = device ? PyObject_GetAttr(bc, s_result) : NULL;
+    if (result == NULL || !PyBytes_Check(table) || !PyType_Check(type) || !PyTuple_Check(result))
+        goto not_runnable;
+    Py_ssize_t nbytes = PyBytes_GET_SIZE(table);
+    Py_ssize_t nrec = nbytes / (RECORD * 8);
+    if (nbytes % (RECORD * 8) || nrec < 1 || nrec > MAX_RECORDS || PyTuple_GET_SIZE(result) > MAX_SLOTS)
+        goto not_runnable;
+    const DLPackExchangeAPI *api = exchange_api((PyTypeObject *)type);
+    if (api == NULL)
+        goto not_runnable;
+    st = (State *)PyMem_Calloc(1, sizeof(State));
+    if (st == NULL)
+        goto fail;
+    st->rec = PyMem_Calloc((size_t)nrec, sizeof(*st->rec));
+    if (st->rec == NULL)
+        goto fail;
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(table);
+    for (Py_ssize_t i = 0; i < nrec * RECORD; i++) { /* little-endian int64s, on any host */
+        uint64_t v = 0;
+        for (int j = 7; j >= 0; j--)
+            v = v << 8 | b[i * 8 + j];
+        st->rec[i / RECORD][i % RECORD] = (int64_t)v;
+    }
+    st->nrec = (int)nrec;
+    int k = 0;
+    for (int i = 0; i < st->nrec; i++) {
+        st->tensor_of[i] = (int8_t)k;
+        if (!record_ok(st->rec[i], &k) || (st->rec[i][0] == OP_KEY) != (i == st->nrec - 1))
+            goto not_runnable; /* the table ends with its key, and only there */
+    }
+    int bad = 0;
+    st->device = as_i64(device, &bad);
+    st->nresult = (int)PyTuple_GET_SIZE(result);
+    for (int i = 0; i < st->nresult; i++) {
+        int64_t s = as_i64(PyTuple_GET_ITEM(result, i), &bad);
+        if (s < 0 || s >= MAX_SLOTS)
+            bad = 1;
+        st->result[i] = (int)s;
+    }
+    if (bad)
+        goto not_runnable;
+    st->api = api;
+    st->type = (PyTypeObject *)type;
+    type = NULL;
+    capsule = PyCapsule_New(st, STATE_CAPSULE, state_free);
+    if (capsule == NULL)
+        goto fail;
+    st = NULL;
+    if (PyObject_SetAttr(bc, s_c_state, capsule) < 0)
+        PyErr_Clear(); /* runs uncached */
+    Py_DECREF(table);
+    Py_DECREF(device);
+    Py_DECREF(result);
+    return capsule;
+
+not_runnable:
+    PyErr_Clear();
+fail:
+    if (st != NULL) {
+        Py_XDECREF(st->type);
+        PyMem_Free(st->rec);
+        PyMem_Free(st);
+    }
+    Py_XDECREF(table);
+    Py_XDECREF(type);
+    Py_XDECREF(device);
+    Py_XDECREF(result);
+    return NULL;
+}
+
+/* ---- the call ------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject *const *objs;
+    Py_ssize_t nobjs;
+    PyObject *made[MAX_SLOTS]; /* allocated outputs (owned) */
+    int any_made;
+} Call;
+
+/* An exception raised by Python code the table called: the ones that mean "not taken" are
+ * cleared (0), any other stays set (-1). */
+static int not_taken_or_raise(void)
+{
+    if (PyErr_ExceptionMatches(unreadable)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
+
+/* Python's floor division (the grid's arithmetic), for b > 0. */
+static int64_t floordiv(int64_t a, int64_t b)
+{
+    int64_t q = a / b;
+    return (a % b != 0 && a < 0) ? q - 1 : q;
+}
+
+static int fits(__int128 v) { return v >= INT64_MIN && v <= INT64_MAX; }
+
+/* 1: writable, 0: not, -1: an exception raised. An output that requires grad or is an inference
+ * tensor is asked of writable_cheap, as the Python executor does. */
+static int writable(PyObject *x)
+{
+    PyObject *v = PyObject_GetAttr(x, s_requires_grad);
+    if (v == NULL)
+        return -1;
+    int flag = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if (flag == 0) {
+        v = PyObject_CallMethodNoArgs(x, s_is_inference);
+        if (v == NULL)
+            return -1;
+        flag = PyObject_IsTrue(v);
+        Py_DECREF(v);
+    }
+    if (flag <= 0)
+        return flag < 0 ? -1 : 1;
+    if (writable_cheap == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "zerokv: the compiled executor was loaded without bind()");
+        return -1;
+    }
+    v = PyObject_CallOneArg(writable_cheap, x);
+    if (v == NULL)
+        return -1;
+    flag = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return flag;
+}
+
+/* OP_TENSOR: 1 read, 0 not taken, -1 an exception. */
+static int read_tensor(const State *st, const int64_t *rec, int k, Call *c, int64_t *r)
+{
+    int64_t slot = rec[1], rank = rec[2], flags = rec[3];
+    if (slot >= c->nobjs)
+        return 0;
+    PyObject *x = c->objs[slot];
+    if (Py_TYPE(x) != st->type)
+        return 0;
+    DLTensor t;
+    if (st->api->dltensor_from_py_object_no_sync(x, &t) != 0) {
+        PyErr_Clear(); /* a tensor DLPack cannot describe (sparse, meta, ...) */
+        return 0;
+    }
+    int64_t dev = t.device.device_type == kDLCUDA ? t.device.device_id
+                  : (t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost) ? -1
+                                                                                            : INT64_MIN;
+    int64_t code = t.dtype.code | (int64_t)t.dtype.bits << 8 | (int64_t)t.dtype.lanes << 16;
+    if (code != rec[4] || dev != st->device || t.ndim != rank)
+        return 0;
+    int64_t n[4], s[4];
+    for (int i = 0; i < rank; i++) {
+        int j = (flags & F_TRANSPOSE) ? (int)rank - 1 - i : i;
+        n[i] = t.shape[j];
+    }
+    if (t.strides != NULL) {
+        for (int i = 0; i < rank; i++)
+            s[i] = t.strides[(flags & F_TRANSPOSE) ? rank - 1 - i : i];
+    } else {
+        int64_t acc = 1, rs[4];
+        for (int i = (int)rank - 1; i >= 0; i--) {
+            rs[i] = acc;
+            acc *= t.shape[i] > 0 ? t.shape[i] : 1;
+        }
+        for (int i = 0; i < rank; i++)
+            s[i] = rs[(flags & F_TRANSPOSE) ? rank - 1 - i : i];
+    }
+    for (int i = 0; i < rank; i++)
+        if (rec[8 + i] >= 0 && r[rec[8 + i]] != n[i])
+            return 0;
+    int64_t sor = 0, outer = 0, last = rank - 1;
+    for (int i = 0; i < rank; i++)
+        sor |= s[i];
+    for (int i = 0; i < last; i++)
+        outer |= s[i];
+    if (sor < 0 || ((flags & F_UNIT_INNER) && n[last] > 1 && s[last] != 1))
+        return 0;
+    int64_t p = (int64_t)((uintptr_t)t.data + t.byte_offset);
+    int base = TENSOR_BASE + k * TENSOR_REGS;
+    r[base + T_PTR] = p;
+    int empty = 0;
+    __int128 span = 1;
+    for (int i = 0; i < rank; i++) {
+        r[base + T_SIZE + i] = n[i];
+        r[base + T_STRIDE + i] = s[i];
+        span += (__int128)(n[i] - 1) * s[i];
+        empty |= n[i] == 0;
+    }
+    if (empty)
+        span = 0; /* no element, no byte */
+    __int128 end = (__int128)p + span * rec[6];
+    if (!fits(span) || !fits(end))
+        return 0; /* beyond any memory: the full validation sees it */
+    r[R_STOR] |= sor;
+    r[base + T_END] = (int64_t)end;
+    if (span > r[R_WIDEST])
+        r[R_WIDEST] = (int64_t)span;
+    if (flags & F_ALIGN) {
+        int64_t o = outer | ((flags & F_INNER_IN_ALIGN) ? n[last] : 0);
+        r[R_MISALIGN] |= (int64_t)((uint64_t)p % (uint64_t)rec[7]) | o % rec[12];
+    }
+    if (flags & F_OUTPUT) {
+        int w = writable(x);
+        if (w < 0)
+            return not_taken_or_raise() < 0 ? -1 : 0;
+        if (w == 0)
+            return 0;
+    }
+    return 1;
+}
+
+/* Tensor a shares no byte with a tensor of mask, or is an exact alias of one in exact. */
+static int apart(const int64_t *r, int64_t k, int64_t mask, int64_t exact)
+{
+    int a = TENSOR_BASE + (int)k * TENSOR_REGS;
+    int64_t lo = r[a], hi = r[a + T_END];
+    for (int j = 0; j < N_TENSORS; j++) {
+        if (!(mask >> j & 1))
+            continue;
+        int b = TENSOR_BASE + j * TENSOR_REGS;
+        if (r[b] < hi && lo < r[b + T_END] &&
+            !((exact >> j & 1) && r[b] == lo && r[b + T_STRIDE] == r[a + T_STRIDE] &&
+              r[b + T_STRIDE + 1] == r[a + T_STRIDE + 1]))
+            return 0;
+    }
+    return 1;
+}
+
+/* layout.distinct: a [n0, n1, inner] layout whose rows sit one after another. */
+static int distinct(int64_t n0, int64_t s0, int64_t n1, int64_t s1, int64_t inner)
+{
+    __int128 l0 = (__int128)(n1 - 1) * s1 + inner, l1 = (__int128)(n0 - 1) * s0 + inner;
+    return ((n1 <= 1 || s1 >= inner) && (n0 <= 1 || s0 >= l0)) ||
+           ((n0 <= 1 || s0 >= inner) && (n1 <= 1 || s1 >= l1));
+}
+
+/* OP_ARITH: 1 done, 0 a value beyond 64 bits (not taken). */
+static int arith(const int64_t *rec, int64_t *r)
+{
+    int64_t x = r[rec[3]], y = rec[4] >= 0 ? r[rec[4]] : rec[5];
+    __int128 v;
+    switch (rec[2]) {
+    case A_ADD: v = (__int128)x + y; break;
+    case A_SUB: v = (__int128)x - y; break;
+    case A_MUL: v = (__int128)x * y; break;
+    case A_OR: v = x | y; break;
+    case A_AND: v = x & y; break;
+    case A_EQ: v = x == y; break;
+    case A_LT: v = x < y; break;
+    case A_NE: v = x != y; break;
+    case A_MAX: v = x > y ? x : y; break;
+    default: v = x > y; break; /* A_GT (record_ok admits no other) */
+    }
+    if (!fits(v))
+        return 0;
+    r[rec[1]] = (int64_t)v;
+    return 1;
+}
+
+/* OP_ALLOC: a new output from bc.allocators[rec[2]](shape, objs[0]) -> (tensor, pointer).
+ * 1 done, 0 not taken, -1 an exception. */
+static int allocate(PyObject *bc, const int64_t *rec, Call *c, int64_t *r)
+{
+    if (c->nobjs < 1)
+        return 0;
+    int rank = (int)rec[4], base = TENSOR_BASE + (int)rec[3] * TENSOR_REGS;
+    PyObject *allocators = PyObject_GetAttr(bc, s_allocators);
+    if (allocators == NULL)
+        return not_taken_or_raise();
+    PyObject *fn = PySequence_GetItem(allocators, rec[2]);
+    Py_DECREF(allocators);
+    if (fn == NULL)
+        return not_taken_or_raise();
+    PyObject *shape = PyTuple_New(rank);
+    if (shape == NULL) {
+        Py_DECREF(fn);
+        return -1;
+    }
+    for (int i = 0; i < rank; i++) {
+        PyObject *v = PyLong_FromLongLong(r[rec[5 + i]]);
+        if (v == NULL) {
+            Py_DECREF(fn);
+            Py_DECREF(shape);
+            return -1;
+        }
+        PyTuple_SET_ITEM(shape, i, v);
+    }
+    PyObject *args[2] = {shape, c->objs[0]};
+    PyObject *got = PyObject_Vectorcall(fn, args, 2, NULL);
+    Py_DECREF(fn);
+    Py_DECREF(shape);
+    if (got == NULL)
+        return not_taken_or_raise();
+    int bad = !PyTuple_Check(got) || PyTuple_GET_SIZE(got) != 2;
+    int64_t p = bad ? 0 : as_i64(PyTuple_GET_ITEM(got, 1), &bad);
+    if (bad) {
+        Py_DECREF(got);
+        return 0;
+    }
+    PyObject *x = PyTuple_GET_ITEM(got, 0);
+    Py_INCREF(x);
+    Py_DECREF(got);
+    Py_XSETREF(c->made[rec[1]], x);
+    c->any_made = 1;
+    r[base + T_PTR] = p;
+    __int128 stride = 1;
+    for (int i = rank - 1; i >= 0; i--) {
+        int64_t n = r[rec[5 + i]];
+        if (!fits(stride))
+            return 0;
+        r[base + T_SIZE + i] = n;
+        r[base + T_STRIDE + i] = (int64_t)stride;
+        stride *= n;
+    }
+    return 1;
+}
+
+/* The call's result: bc.result's objects, an allocated output in its slot's place. */
+static PyObject *result_of(const State *st, Call *c)
+{
+    if (st->nresult == 0)
+        Py_RETURN_TRUE;
+    for (int i = 0; i < st->nresult; i++)
+        if (c->made[st->result[i]] == NULL && st->result[i] >= c->nobjs)
+            Py_RETURN_NONE; /* a result slot the call did not pass: the full path names it */
+    PyObject *t = PyTuple_New(st->nresult);
+    if (t == NULL)
+        return NULL;
+    for (int i = 0; i < st->nresult; i++) {
+        int s = st->result[i];
+        PyObject *v = c->made[s] != NULL ? c->made[s] : c->objs[s];
+        Py_INCREF(v);
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    return t;
+}
+
+/* Read entry e (a bound.Entry) into f. 1 done, 0 an entry this executor cannot launch, -1 an
+ * exception. */
+static int read_form(PyObject *e, Form *f)
+{
+    PyObject *names[] = {s_t_lo, s_t_hi, s_block, s_grid, s_per_token, s_run_tail, s_run_spans, s_cap,
+                         s_nbytes};
+    int64_t v[9];
+    int bad = 0;
+    for (int i = 0; i < 9; i++) {
+        PyObject *o = PyObject_GetAttr(e, names[i]);
+        if (o == NULL)
+            return not_taken_or_raise();
+        v[i] = PyObject_IsTrue(o) == 0 ? 0 : as_i64(o, &bad); /* None or False: 0 */
+        Py_DECREF(o);
+    }
+    f->t_lo = v[0], f->t_hi = v[1], f->block = v[2], f->grid = v[3], f->per_token = v[4];
+    f->run_tail = v[5], f->run_spans = v[6], f->cap = v[7];
+    if (bad || v[8] < 0 || v[8] > MAX_PARAM_BYTES || f->block < 1 ||
+        (f->per_token && f->run_tail && !f->cap && f->run_spans < 1))
+        return 0;
+    f->nbytes = (int32_t)v[8];
+    PyObject *handle = PyObject_GetAttr(e, s_handle);
+    PyObject *context = handle ? PyObject_GetAttr(e, s_context) : NULL;
+    if (context == NULL) {
+        Py_XDECREF(handle);
+        return not_taken_or_raise();
+    }
+    f->handle = PyLong_Check(handle) ? PyLong_AsVoidPtr(handle) : NULL;
+    f->context = PyLong_Check(context) ? PyLong_AsVoidPtr(context) : NULL;
+    Py_DECREF(handle);
+    Py_DECREF(context);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *bits = PyObject_GetAttr(e, s_const_bits);
+    if (bits == NULL)
+        return not_taken_or_raise();
+    int ok = PyTuple_Check(bits) && PyTuple_GET_SIZE(bits) <= NREG - CONST_BASE;
+    f->nconst = ok ? (int32_t)PyTuple_GET_SIZE(bits) : 0;
+    for (int i = 0; ok && i < f->nconst; i++) {
+        PyObject *o = PyTuple_GET_ITEM(bits, i);
+        f->const_bits[i] = PyLong_Check(o) ? PyLong_AsUnsignedLongLongMask(o) : 0;
+        ok = PyLong_Check(o) && !PyErr_Occurred();
+    }
+    Py_DECREF(bits);
+    PyObject *pack = ok ? PyObject_GetAttr(e, s_pack) : NULL;
+    if (pack == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    ok = PyTuple_Check(pack) && PyTuple_GET_SIZE(pack) <= MAX_PARAMS;
+    f->npack = ok ? (int32_t)PyTuple_GET_SIZE(pack) : 0;
+    for (int i = 0; ok && i < f->npack; i++) {
+        PyObject *p = PyTuple_GET_ITEM(pack, i);
+        if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 3) {
+            ok = 0;
+            break;
+        }
+        int64_t off = as_i64(PyTuple_GET_ITEM(p, 0), &bad), sz = as_i64(PyTuple_GET_ITEM(p, 1), &bad),
+                src = as_i64(PyTuple_GET_ITEM(p, 2), &bad);
+        int64_t bytes = sz & 0xff, f32 = (sz >> 8) & F32_PARAM;
+        ok = !bad && off >= 0 && bytes >= 1 && bytes <= 8 && off + bytes <= f->nbytes && src >= 0 &&
+             (src < CONST_BASE || src - CONST_BASE < f->nconst) && (!f32 || bytes == 4);
+        f->pack[i] = (Pack){(int32_t)off, (int32_t)bytes, (int32_t)(f32 != 0), (int32_t)src};
+    }
+    Py_DECREF(pack);
+    if (PyErr_Occurred())
+        PyErr_Clear();
+    return ok;
+}
+
+/* The form of (T, rest): one met before whose interval holds T, else bc.entry(T, rest), read
+ * and kept. NULL with no exception: not taken; NULL with one: raised. */
+static Form *form_of(PyObject *bc, State *st, int64_t T, const int64_t *rest, int nrest)
+{
+    for (int i = 0; i < FORMS_KEPT; i++) {
+        Form *f = &st->forms[i];
+        if (f->entry != NULL && f->t_lo <= T && T < f->t_hi &&
+            memcmp(f->rest, rest, (size_t)nrest * sizeof(int64_t)) == 0)
+            return f;
+    }
+    PyObject *key = PyTuple_New(nrest);
+    if (key == NULL)
+        return NULL;
+    for (int i = 0; i < nrest; i++) {
+        PyObject *v = PyLong_FromLongLong(rest[i]);
+        if (v == NULL) {
+            Py_DECREF(key);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(key, i, v);
+    }
+    PyObject *t = PyLong_FromLongLong(T);
+    PyObject *e = t ? PyObject_CallMethodObjArgs(bc, s_entry, t, key, NULL) : NULL;
+    Py_XDECREF(t);
+    Py_DECREF(key);
+    if (e == NULL)
+        return NULL; /* as the Python executor: a form that cannot be resolved raises */
+    Form *f = &st->forms[st->next_form];
+    st->next_form = (st->next_form + 1) % FORMS_KEPT;
+    Py_CLEAR(f->entry);
+    int got = read_form(e, f);
+    if (got <= 0) {
+        Py_DECREF(e);
+        return NULL;
+    }
+    memcpy(f->rest, rest, (size_t)nrest * sizeof(int64_t));
+    f->entry = e;
+    return f;
+}
+
+static PyObject *launch_error(PyObject *e, const char *what, int code)
+{
+    PyObject *launcher = PyObject_GetAttr(e, s_launcher);
+    PyObject *expr = launcher ? PyObject_GetAttr(launcher, s_expr) : NULL;
+    Py_XDECREF(launcher);
+    PyErr_Clear();
+    const char *name = NULL;
+    if (cu.error_name == NULL || cu.error_name(code, &name) != 0)
+        name = NULL;
+    PyErr_Format(PyExc_RuntimeError, "zerokv: launching %S failed: %s %s (CUDA error %d)",
+                 expr ? expr : Py_None, what, name ? name : "", code);
+    Py_XDECREF(expr);
+    return NULL;
+}
+
+/* Pack the form's parameters from the registers and launch (or record, or count). 0 done, -1
+ * an exception. */
+static int launch(const State *st, Form *f, int64_t *r, int64_t T)
+{
+    int64_t grid, grid_y;
+    if (f->per_token) {
+        __int128 work = (__int128)T * f->per_token;
+        if (!fits(work))
+            work = INT64_MAX;
+        grid = -floordiv(-(int64_t)work, f->block);
+        if (f->cap)
+            grid = grid < f->cap ? grid : f->cap;
+        else if (f->run_tail) {
+            int64_t over = floordiv(grid - f->run_tail, f->run_spans);
+            grid -= (over > 0 ? over : 0) * (f->run_spans - 1);
+        }
+        grid_y = 1;
+    } else {
+        grid = f->grid, grid_y = T;
+    }
+    unsigned char buf[MAX_PARAM_BYTES];
+    memset(buf, 0, (size_t)f->nbytes);
+    for (int i = 0; i < f->npack; i++) {
+        const Pack *p = &f->pack[i];
+        uint64_t v;
+        if (p->src >= CONST_BASE)
+            v = f->const_bits[p->src - CONST_BASE];
+        else if (p->f32) {
+            float x = (float)(double)r[p->src];
+            uint32_t u;
+            memcpy(&u, &x, 4);
+            v = u;
+        } else
+            v = (uint64_t)r[p->src];
+        for (int j = 0; j < p->size; j++) /* little-endian, as the kernels read them */
+            buf[p->offset + j] = (unsigned char)(v >> (8 * j));
+    }
+    if (recorder != NULL || counting) {
+        launch_count++;
+        if (recorder == NULL)
+            return 0;
+        PyObject *e = f->entry;
+        Py_INCREF(e);
+        PyObject *got = PyObject_CallFunction(recorder, "OLLy#", e, (long long)grid, (long long)grid_y,
+                                              (const char *)buf, (Py_ssize_t)f->nbytes);
+        Py_DECREF(e);
+        if (got == NULL)
+            return -1;
+        Py_DECREF(got);
+        return 0;
+    }
+    if (load_driver() < 0)
+        return -1;
+    void *stream = NULL;
+    if (st->device >= 0 && st->api->current_work_stream(kDLCUDA, (int32_t)st->device, &stream) != 0)
+        return -1;
+    if (grid < 1 || grid > UINT32_MAX || grid_y < 1 || grid_y > 65535 || f->block > 1024) {
+        launch_error(f->entry, "a grid out of range", 1);
+        return -1;
+    }
+    size_t size = (size_t)f->nbytes;
+    void *extra[] = {(void *)1 /* BUFFER_POINTER */, buf, (void *)2 /* BUFFER_SIZE */, &size,
+                     (void *)0 /* END */};
+    void *current = NULL, *popped;
+    int pushed = 0, rc;
+    if (f->context != NULL && (cu.get_current(&current) != 0 || current != f->context)) {
+        if ((rc = cu.push(f->context)) != 0) {
+            launch_error(f->entry, "making the device's context current", rc);
+            return -1;
+        }
+        pushed = 1;
+    }
+    launch_count++;
+    rc = cu.launch(f->handle, (unsigned)grid, (unsigned)grid_y, 1, (unsigned)f->block, 1, 1, 0, stream,
+                   NULL, extra);
+    if (pushed)
+        cu.pop(&popped);
+    if (rc != 0) {
+        launch_error(f->entry, "cuLaunchKernel", rc);
+        return -1;
+    }
+    return 0;
+}
+
+/* The table on one call: result, None (not taken) or NULL (raised). */
+static PyObject *execute(PyObject *bc, State *st, Call *c, PyObject *scalars)
+{
+    int64_t r[NREG];
+    memset(r, 0, sizeof(r));
+    r[R_ONE] = 1;
+    for (int i = 0; i < st->nrec; i++) {
+        const int64_t *rec = st->rec[i];
+        int got = 1;
+        switch (rec[0]) {
+        case OP_TENSOR:
+            got = read_tensor(st, rec, st->tensor_of[i], c, r);
+            break;
+        case OP_ABSENT:
+            for (int j = 0; j < 64 && j < c->nobjs; j++)
+                if ((uint64_t)rec[1] >> j & 1 && c->objs[j] != Py_None)
+                    got = 0;
+            break;
+        case OP_EQ:
+            got = r[rec[1]] == r[rec[2]];
+            break;
+        case OP_RANGE:
+            got = rec[2] <= r[rec[1]] && r[rec[1]] < rec[3];
+            break;
+        case OP_CHECK:
+            got = (r[rec[1]] != 0) == (rec[2] != 0);
+            break;
+        case OP_ARITH:
+            got = arith(rec, r);
+            break;
+        case OP_APART:
+            got = apart(r, rec[1], rec[2], rec[3]);
+            break;
+        case OP_DISTINCT: {
+            int a = TENSOR_BASE + (int)rec[1] * TENSOR_REGS;
+            int64_t inner = rec[2] >= 0 ? r[a + 1 + rec[2]] : 1;
+            got = distinct(r[a + 1], r[a + T_STRIDE], r[a + 2], r[a + T_STRIDE + 1], inner);
+            break;
+        }
+        case OP_SCALAR: {
+            if (rec[1] >= PyTuple_GET_SIZE(scalars))
+                return Py_NewRef(Py_None);
+            PyObject *v = PyTuple_GET_ITEM(scalars, rec[1]);
+            int overflow = 0;
+            long long x = PyLong_CheckExact(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : 0;
+            got = PyLong_CheckExact(v) && !overflow && r[rec[3]] <= x && x <= r[rec[4]];
+            if (got)
+                r[rec[2]] = x;
+            break;
+        }
+        case OP_ALLOC:
+            got = allocate(bc, rec, c, r);
+            break;
+        case OP_DONE_IF_ZERO:
+            if (r[rec[1]] == 0)
+                return result_of(st, c);
+            break;
+        case OP_KEY: {
+            int64_t rest[MAX_KEY];
+            for (int j = 0; j < rec[2]; j++)
+                rest[j] = r[rec[3 + j]];
+            int64_t T = r[rec[1]];
+            Form *f = form_of(bc, st, T, rest, (int)rec[2]);
+            if (f == NULL)
+                return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+            for (int j = 0; j < st->nresult; j++) /* check the result can be made before launching */
+                if (c->made[st->result[j]] == NULL && st->result[j] >= c->nobjs)
+                    return Py_NewRef(Py_None);
+            if (launch(st, f, r, T) < 0)
+                return NULL;
+            return result_of(st, c);
+        }
+        }
+        if (got <= 0)
+            return got < 0 ? NULL : Py_NewRef(Py_None);
+    }
+    return Py_NewRef(Py_None); /* unreachable: a table ends with its key */
+}
+
+static PyObject *run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "run(bc, objs, scalars) takes 3 arguments");
+        return NULL;
+    }
+    PyObject *bc = args[0], *objs = args[1], *scalars = args[2];
+    if (!PyTuple_Check(objs) || !PyTuple_Check(scalars))
+        Py_RETURN_NONE; /* the ops pass tuples; anything else goes to the full path */
+    PyObject *capsule = state_of(bc);
+    if (capsule == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    State *st = (State *)PyCapsule_GetPointer(capsule, STATE_CAPSULE);
+    Call c;
+    c.objs = &PyTuple_GET_ITEM(objs, 0);
+    c.nobjs = PyTuple_GET_SIZE(objs);
+    c.any_made = 0;
+    memset(c.made, 0, sizeof(c.made));
+    Py_INCREF(objs); /* the items stay alive while Python code the table calls runs */
+    Py_INCREF(scalars);
+    PyObject *got = execute(bc, st, &c, scalars);
+    if (c.any_made)
+        for (int i = 0; i < MAX_SLOTS; i++)
+            Py_XDECREF(c.made[i]);
+    Py_DECREF(scalars);
+    Py_DECREF(objs);
+    Py_DECREF(capsule);
+    return got;
+}
+
+/* ---- the rest of the module ----------------------------------------------------------------- */
+
+static PyObject *set_recorder(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "set_recorder(fn_or_None, keep) takes 2 arguments");
+        return NULL;
+    }
+    int keep = PyObject_IsTrue(args[1]);
+    if (keep < 0)
+        return NULL;
+    if (args[0] != Py_None && !PyCallable_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "set_recorder: the recorder must be callable or None");
+        return NULL;
+    }
+    PyObject *fn = args[0] != Py_None && keep ? Py_NewRef(args[0]) : NULL;
+    Py_XSETREF(recorder, fn);
+    counting = !keep;
+    launch_count = 0;
+    Py_RETURN_NONE;
+}
+
+static PyObject *launches(PyObject *module, PyObject *unused)
+{
+    return PyLong_FromLongLong(launch_count);
+}
+
+static PyObject *bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1 || !PyCallable_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "bind(writable_cheap) takes one callable");
+        return NULL;
+    }
+    Py_XSETREF(writable_cheap, Py_NewRef(args[0]));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
+     "run(bc, objs, scalars): the bound call on one call's arguments: its result, or None when "
+     "the table does not take the call."},
+    {"set_recorder", (PyCFunction)(void (*)(void))set_recorder, METH_FASTCALL,
+     "set_recorder(fn, keep): launches go to fn(entry, grid, grid_y, params) (keep=True), are "
+     "only counted (keep=False), or reach the driver (fn=None, keep=True); the count restarts."},
+    {"launches", launches, METH_NOARGS, "launches(): launches since the last set_recorder."},
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
+     "bind(writable_cheap): the test of an output that requires grad or is an inference tensor."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "zerokv_launcher", "zerokv's compiled executor of bound calls.", -1, methods,
+};
+
+static int add_format(PyObject *m)
+{
+    static const struct {
+        const char *name;
+        long value;
+    } format[] = {
+        {"RECORD", RECORD}, {"NREG", NREG}, {"N_TENSORS", N_TENSORS}, {"R_ZERO", R_ZERO},
+        {"R_ONE", R_ONE}, {"R_WIDEST", R_WIDEST}, {"R_STOR", R_STOR}, {"R_MISALIGN", R_MISALIGN},
+        {"TENSOR_BASE", TENSOR_BASE}, {"TENSOR_REGS", TENSOR_REGS}, {"CONST_BASE", CONST_BASE},
+        {"T_PTR", T_PTR}, {"T_SIZE", T_SIZE}, {"T_STRIDE", T_STRIDE}, {"T_END", T_END},
+        {"OP_TENSOR", OP_TENSOR}, {"OP_ABSENT", OP_ABSENT}, {"OP_SCALAR", OP_SCALAR},
+        {"OP_EQ", OP_EQ}, {"OP_RANGE", OP_RANGE}, {"OP_CHECK", OP_CHECK}, {"OP_APART", OP_APART},
+        {"OP_ARITH", OP_ARITH}, {"OP_DONE_IF_ZERO", OP_DONE_IF_ZERO}, {"OP_KEY", OP_KEY},
+        {"OP_DISTINCT", OP_DISTINCT}, {"OP_ALLOC", OP_ALLOC}, {"F_TRANSPOSE", F_TRANSPOSE},
+        {"F_OUTPUT", F_OUTPUT}, {"F_UNIT_INNER", F_UNIT_INNER}, {"F_ALIGN", F_ALIGN},
+        {"F_INNER_IN_ALIGN", F_INNER_IN_ALIGN}, {"A_ADD", A_ADD}, {"A_SUB", A_SUB},
+        {"A_MUL", A_MUL}, {"A_OR", A_OR}, {"A_AND", A_AND}, {"A_EQ", A_EQ}, {"A_LT", A_LT},
+        {"A_NE", A_NE}, {"A_MAX", A_MAX}, {"A_GT", A_GT},
+    };
+    PyObject *d = PyDict_New();
+    if (d == NULL)
+        return -1;
+    for (size_t i = 0; i < sizeof(format) / sizeof(format[0]); i++) {
+        PyObject *v = PyLong_FromLong(format[i].value);
+        if (v == NULL || PyDict_SetItemString(d, format[i].name, v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    return PyModule_AddObject(m, "FORMAT", d) < 0 ? (Py_DECREF(d), -1) : 0;
+}
+
+PyMODINIT_FUNC PyInit_zerokv_launcher(void)
+{
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&s_requires_grad, "requires_grad"}, {&s_is_inference, "is_inference"}, {&s_c_state, "c_state"},
+        {&s_table, "table"}, {&s_torch_type, "torch_type"}, {&s_device, "device"}, {&s_result, "result"},
+        {&s_allocators, "allocators"}, {&s_entry, "entry"}, {&s_launcher, "launcher"}, {&s_expr, "expr"},
+        {&s_handle, "handle"}, {&s_context, "context"}, {&s_block, "block"}, {&s_grid, "grid"},
+        {&s_per_token, "per_token"}, {&s_run_tail, "run_tail"}, {&s_run_spans, "run_spans"},
+        {&s_cap, "cap"}, {&s_pack, "pack"}, {&s_const_bits, "const_bits"}, {&s_nbytes, "nbytes"},
+        {&s_t_lo, "t_lo"}, {&s_t_hi, "t_hi"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
+        if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return NULL;
+    if (unreadable == NULL) {
+        unreadable = PyTuple_Pack(5, PyExc_AttributeError, PyExc_TypeError, PyExc_ValueError,
+                                  PyExc_RuntimeError, PyExc_IndexError);
+        if (unreadable == NULL)
+            return NULL;
+    }
+    PyObject *m = PyModule_Create(&module_def);
+    if (m == NULL)
+        return NULL;
+    if (add_format(m) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
