@@ -356,6 +356,7 @@ def main(quiet: bool = False) -> int:
     """The self-check; ``quiet``: no progress lines while compiling without a GPU."""
     env, warnings = environment()
     print(env)
+    print(versions.launcher_line())
     for w in warnings:
         print(w)
     ok = True

@@ -48,8 +48,20 @@ def environment(installed: Callable[[str], str | None] = installed) -> tuple[str
     return ", ".join(parts), warnings
 
 
+def launcher_line() -> str:
+    """Which executor runs the calls in this process, and why (``zerokv.launcher()``)."""
+    from .core import executor
+
+    try:
+        name, why = executor.choose()
+    except (RuntimeError, ValueError) as e:
+        return f"launcher: none ({e})"
+    return f"launcher: {name} ({why})"
+
+
 def report() -> str:
-    """``zerokv X.Y.Z`` on the first line, then the versions of what it runs on and warnings."""
+    """``zerokv X.Y.Z`` on the first line, then the versions of what it runs on, the launcher
+    and warnings."""
     line, warnings = environment()
     rest = line.removeprefix(f"zerokv {__version__}, ")
-    return "\n".join([f"zerokv {__version__}", rest, *warnings])
+    return "\n".join([f"zerokv {__version__}", rest, launcher_line(), *warnings])
