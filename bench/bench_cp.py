@@ -188,7 +188,7 @@ def _measure_all(torch: Any, rank: int, mode: str, l2_bytes: int) -> list[Row]:
 def _measure(torch: Any, timer: Any, rank: int, dev: Any, T: int, H: int, D: int, l2_bytes: int) -> list[Row]:
     import zerokv
 
-    cpm_a2a = importlib.import_module("zerokv.cp_merge_a2a")
+    cpm_a2a = importlib.import_module("zerokv.cp_merge.a2a")
 
     all_gather, reduce_scatter = _collectives(torch)
     N, Hn = WORLD, H // WORLD
@@ -244,7 +244,7 @@ def _measure(torch: Any, timer: Any, rank: int, dev: Any, T: int, H: int, D: int
             lambda v, s, send: zerokv.cp_merge(v, s, exchange="a2a", send=send),
         ),
     }
-    cpm = importlib.import_module("zerokv.cp_merge_allgather")
+    cpm = importlib.import_module("zerokv.cp_merge.allgather")
     # the float32 wire is pipelined here (the bf16 one is summed straight into the output, in one
     # piece): the same call without the overlap beside it
     if len(cpm._chunks(T, H * D * 4, N, False)) > 1:

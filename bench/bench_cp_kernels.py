@@ -54,7 +54,7 @@ def _measure(b: Bench, T: int, H: int, D: int, wire_name: str) -> list[Row]:
 
     torch, dev = b.torch, b.device
     cpm = importlib.import_module("zerokv.cp_merge")
-    a2a = cpm.cp_merge_a2a
+    a2a = cpm.a2a
     wire = getattr(torch, wire_name)
     Hn, w = H // N, torch.finfo(wire).bits // 8
     lay = a2a.layout(N, T, Hn, D, wire_name)

@@ -27,8 +27,8 @@ from zerokv import reference
 from zerokv.compat import vllm
 
 cpm = importlib.import_module("zerokv.cp_merge")  # the module (zerokv.cp_merge is the function)
-cp_ag = importlib.import_module("zerokv.cp_merge_allgather")
-cp_cpu = importlib.import_module("zerokv.cp_merge_cpu")
+cp_ag = importlib.import_module("zerokv.cp_merge.allgather")
+cp_cpu = importlib.import_module("zerokv.cp_merge.cpu_path")
 NAN = float("nan")
 INF = float("inf")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

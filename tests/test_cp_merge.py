@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import os
 import time
@@ -165,7 +166,7 @@ def test_shares_sum_to_the_reference():
 
 def test_a2a_layout_keeps_blocks_on_16_bytes():
     """Each peer's chunk: V, then the LSE, each block on 16 bytes, nothing in between but padding."""
-    a2a = cpm.cp_merge_a2a
+    a2a = cpm.a2a
     for N, T, Hn, D, wire in ((1, 1, 1, 1, "bfloat16"), (3, 7, 2, 13, "float16"), (4, 5, 3, 512, "float32")):
         lay = a2a.layout(N, T, Hn, D, wire)
         size = 4 if wire == "float32" else 2
@@ -270,7 +271,7 @@ def test_a2a_kernels_in_a_cuda_graph(N):
     replayed on new inputs; against the float64 reference."""
     T, H, D, dev = 96, 4 * N, 512, torch.device("cuda", 0)
     Hn = H // N
-    a2a = cpm.cp_merge_a2a
+    a2a = cpm.a2a
     lay = a2a.layout(N, T, Hn, D, "bfloat16")
     sends = [torch.empty(lay.nbytes, dtype=torch.uint8, device=dev) for _ in range(N)]
     recvs = [torch.empty_like(x) for x in sends]
@@ -370,7 +371,7 @@ class _Ptr:
 def test_launches_pack_every_parameter_by_name(monkeypatch):
     """The pack kernels' and the finalize kernel's arguments, packed by name from a call's
     facts, are the bytes of the kernel's parameters in its C order (written out here by hand)."""
-    import zerokv.cp_merge_launch as launch_mod
+    launch_mod = importlib.import_module("zerokv.cp_merge.launch")
     from zerokv.core import kernels
     from zerokv.core.tensors import Tensor
 
@@ -382,14 +383,14 @@ def test_launches_pack_every_parameter_by_name(monkeypatch):
     def t(ptr, shape, strides, dtype):
         return Tensor(None, ptr, shape, strides, dtype, 0, True)
 
-    a = cpm.cp_merge_a2a.Args(
+    a = cpm.a2a.Args(
         t(4096, (7, 6, 40), (320, 48, 1), "bfloat16"), t(8192, (7, 6), (1, 9), "float32"), None, None,
         t(1 << 21, (3,), (1,), "int64"), t(1 << 22, (4,), (1,), "int32"),
         7, 6, 40, 3, "float32", "bfloat16", "e", 0, "heads", "a2a", None,
     )  # fmt: skip
-    lay = cpm.cp_merge_a2a.layout(2, 7, 3, 40, "float32")
-    cpm.cp_merge_a2a._pack(a, lay, 1 << 30, True, 77)
-    cp_ag = cpm.cp_merge_allgather
+    lay = cpm.a2a.layout(2, 7, 3, 40, "float32")
+    cpm.a2a._pack(a, lay, 1 << 30, True, 77)
+    cp_ag = cpm.allgather
     cp_ag._pack_lse(a, _Ptr(1 << 31), 78)
     o = t(1 << 35, (7, 3, 40), (240, 80, 1), "bfloat16")
     cp_ag._finalize(a, _Ptr(1 << 34), o, 1, 6, None, 80)
@@ -445,7 +446,7 @@ def gpu_path(monkeypatch):
 
     monkeypatch.setattr(cpm._plan, "read", on_device)
     monkeypatch.setattr(cpm, "validate", counted)
-    for mod in (cpm.cp_merge_allgather, cpm.cp_merge_a2a):
+    for mod in (cpm.allgather, cpm.a2a):
         monkeypatch.setattr(mod, "run", lambda *a, _run=mod.run: (seen.args.append(a[5]), _run(*a))[1])
     yield seen
     _plans.clear_cache()
@@ -541,7 +542,7 @@ def _inference_out(k):
 
 
 def _buffer_of_two(k):
-    b = cpm.CpSendBuffer(torch, cpm.cp_merge_a2a.layout(2, 9, 2, 16, "bfloat16"), "cpu")
+    b = cpm.CpSendBuffer(torch, cpm.a2a.layout(2, 9, 2, 16, "bfloat16"), "cpu")
     return {**k, "v": b.v, "s": b.lse, "send": b}
 
 

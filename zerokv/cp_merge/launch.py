@@ -2,8 +2,8 @@
 arguments, device) found by one lookup, the arguments packed by name from the kernel's
 description (``Kernel.binder``), one ``cuLaunchKernel`` on the caller's stream.
 
-The call's facts are its ``cp_merge_args.Args``: from the signature's plan and its cheap check
-(``cp_merge_plan``), or from the full validation; each launch names every parameter of its
+The call's facts are its ``args.Args``: from the signature's plan and its cheap check
+(:mod:`.plan`), or from the full validation; each launch names every parameter of its
 kernel, checked against the description when the plan is built.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .core import plans as _plans
-from .core.kernels import Kernel
+from ..core import plans as _plans
+from ..core.kernels import Kernel
 
 
 class _Plan:

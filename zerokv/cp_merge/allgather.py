@@ -8,13 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from .core import checks as _checks
-from .core import device as _device
-from .core import dtypes as _dtypes
-from .core import kernels as _kernels
-from .core.tensors import Tensor, torch_view
-from .cp_merge_args import Args
-from .cp_merge_launch import launch
+from ..core import checks as _checks
+from ..core import device as _device
+from ..core import dtypes as _dtypes
+from ..core import kernels as _kernels
+from ..core.layout import VECTOR_BYTES
+from ..core.tensors import Tensor, torch_view
+from .args import Args
+from .launch import launch
 
 _WARP_THREADS = 32
 
@@ -138,7 +139,7 @@ class _Combine:
         self.ol = None if out_lse is None else torch_view(out_lse)
         self.nan_empty, self.stream = int(nan_empty), stream
         vec = _kernels.vec(vt.dtype)
-        if a.D % vec or vt.ptr % 16 or vt.strides[0] % vec or vt.strides[1] % vec:
+        if a.D % vec or vt.ptr % VECTOR_BYTES or vt.strides[0] % vec or vt.strides[1] % vec:
             vec = 1
         self.vec = vec
         self.v_bytes = vt.strides[0] * _dtypes.itemsize(vt.dtype)  # per token

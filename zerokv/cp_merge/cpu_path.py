@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .core import cpu_path as _host
-from .core import dtypes as _dtypes
-from .core.tensors import view
-from .cp_merge_args import EXCHANGES, SCATTERS, Args
+from ..core import cpu_path as _host
+from ..core import dtypes as _dtypes
+from ..core.tensors import view
+from .args import EXCHANGES, SCATTERS, Args
 
 # fields every rank must agree on, in the order of the exchanged vector
 _AGREE = ("T", "H", "D", "v dtype", "wire_dtype", "scatter", "exchange", "lse_base", "sinks", "mask",

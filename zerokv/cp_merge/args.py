@@ -1,15 +1,17 @@
 """A ``cp_merge`` call read and checked on the host: every check before anything is allocated,
 sent or written, with the caller's names for the arguments. On the GPU it runs on a signature's
-first call and where the plan's cheap check cannot decide (``cp_merge_plan``); on the CPU on
+first call and where the plan's cheap check cannot decide (:mod:`.plan`); on the CPU on
 every call."""
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from .core import checks as _checks
-from .core import dtypes as _dtypes
-from .core.tensors import Tensor, view
+from ..core import checks as _checks
+from ..core import dtypes as _dtypes
+from ..core.layout import INT32
+from ..core.tensors import Tensor, view
+from .send_buffer import CpSendBuffer
 
 SCATTERS = ("heads", "none")
 EXCHANGES = ("allgather", "a2a")
@@ -122,14 +124,12 @@ def validate(
             f"scatter={scatter!r} (use exchange='allgather' for an all-reduce)"
         )
     if send is not None:
-        from .cp_merge_a2a import CpSendBuffer
-
         if not isinstance(send, CpSendBuffer):
             raise TypeError(f"send: expected what cp_send_buffer returned, got {type(send).__name__}")
         if exchange != "a2a":
             raise ValueError(f"send: a send buffer is for exchange='a2a', got exchange={exchange!r}")
     vt, st, T, H, D = _state(torch, v, s, N, send, n)
-    if T >= 2**31 or H >= 2**31:
+    if T >= INT32 or H >= INT32:
         raise ValueError(f"{n('v')}: T and H must be below 2^31, got shape {(T, H, D)}")
     if scatter == "heads" and H % N:
         raise ValueError(

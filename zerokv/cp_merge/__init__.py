@@ -5,12 +5,12 @@ own slice of the KV. ``cp_merge`` combines them in one of two ways:
 
 * ``exchange="allgather"``: all-gather the LSEs, rescale this rank's output by its share of the
   global normaliser straight into the layout the collective needs (one kernel), sum over the ranks
-  with a reduce-scatter over heads or an all-reduce (``zerokv.cp_merge_allgather``);
+  with a reduce-scatter over heads or an all-reduce (:mod:`zerokv.cp_merge.allgather`);
 * ``exchange="a2a"``: send each rank its heads of this rank's output with the LSE beside it in one
   all-to-all, then merge the N partials of this rank's heads in one kernel
-  (``zerokv.cp_merge_a2a``; :func:`cp_send_buffer` lets the attention write into the send layout).
+  (:mod:`zerokv.cp_merge.a2a`; :func:`cp_send_buffer` lets the attention write into the send layout).
 
-CPU tensors (gloo) take the same steps in float64 on the host (``zerokv.cp_merge_cpu``).
+CPU tensors (gloo) take the same steps in float64 on the host (:mod:`zerokv.cp_merge.cpu_path`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ import functools
 import sys
 from typing import Any
 
-from . import cp_merge_a2a, cp_merge_allgather, cp_merge_cpu
-from . import cp_merge_plan as _plan
-from .cp_merge_a2a import CpSendBuffer
-from .cp_merge_args import Names, dtype_name, validate
+from . import a2a, allgather, cpu_path
+from . import plan as _plan
+from .a2a import CpSendBuffer
+from .args import Names, dtype_name, validate
 
 
 def cp_merge(
@@ -142,7 +142,7 @@ def cp_send_buffer(
         raise ValueError(f"H: {H} heads cannot be split over {N} ranks (H % N = {H % N})")
     wire = dtype_name(torch, dtype, "dtype")
     dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    buf = CpSendBuffer(torch, cp_merge_a2a.layout(N, T, H // N, D, wire), dev)
+    buf = CpSendBuffer(torch, a2a.layout(N, T, H // N, D, wire), dev)
     return buf.v, buf.lse, buf
 
 
@@ -182,7 +182,7 @@ def combine(
     f = _plan.read(v, s, sinks, out, out_lse, out_scale, empty_shards)
     if f is None or f.device < 0:  # host tensors, or arguments only the full validation reads
         if v.device.type == "cpu":
-            return cp_merge_cpu.run(
+            return cpu_path.run(
                 torch, pg, N, rank, collectives, n, return_lse, checked, out, out_lse, nan_empty
             )
         a = checked()
@@ -197,9 +197,9 @@ def combine(
         out_lse = torch.empty((a.T, a.Hn), dtype=torch.float32, device=v.device)
     if a.T * a.H:
         if a.exchange == "a2a":
-            cp_merge_a2a.run(torch, pg, N, rank, collectives, a, out, out_lse, sinks, out_scale, nan_empty)
+            a2a.run(torch, pg, N, rank, collectives, a, out, out_lse, sinks, out_scale, nan_empty)
         else:
-            cp_merge_allgather.run(torch, pg, N, rank, collectives, a, v, s, out, out_lse, nan_empty)
+            allgather.run(torch, pg, N, rank, collectives, a, v, s, out, out_lse, nan_empty)
     return (out, out_lse) if return_lse else out
 
 

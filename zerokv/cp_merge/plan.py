@@ -1,24 +1,24 @@
 """``cp_merge`` on the ops' one path: a call's tensors read once into facts, a plan per
 signature, the plan's cheap check of what may change between calls, and the ``Args`` record
-that ``cp_merge_allgather`` / ``cp_merge_a2a`` read, built from the facts.
+that ``allgather`` / ``a2a`` read, built from the facts.
 
-The first call of a signature is fully validated (``cp_merge_args.validate``) and the plan is
+The first call of a signature is fully validated (``args.validate``) and the plan is
 built from its ``Args``; a later call whose cheap check fails or cannot decide is validated
 again, which raises with the caller's argument names or lets the call through by the exact
-rules. Host tensors never come here (``cp_merge_cpu`` validates every call).
+rules. Host tensors never come here (``cpu_path`` validates every call).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from .core import dtypes as _dtypes
-from .core import plans as _plans
-from .core.generic_tensors import writable_cheap
-from .core.layout import INT32, distinct
-from .core.tensors import Tensor, torch_tensor_type, torch_view
-from .cp_merge_a2a import CpSendBuffer
-from .cp_merge_args import Args
+from ..core import dtypes as _dtypes
+from ..core import plans as _plans
+from ..core.generic_tensors import writable_cheap
+from ..core.layout import INT32, distinct
+from ..core.tensors import Tensor, torch_tensor_type, torch_view
+from .a2a import CpSendBuffer
+from .args import Args
 
 _new = tuple.__new__  # a NamedTuple without its Python-level __new__ (the hot path)
 _UNREADABLE = (AttributeError, TypeError, ValueError, IndexError, RuntimeError)  # RuntimeError: sparse
