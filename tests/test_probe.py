@@ -136,11 +136,13 @@ def test_both_cupy_packages(monkeypatch):
 
 
 def test_both_cupy_packages_is_an_error_at_the_first_gpu_call(monkeypatch):
-    real = probe.metadata.version
+    from zerokv.core import cupy_packages
+
+    real = cupy_packages.metadata.version
     monkeypatch.setattr(
-        probe.metadata, "version", lambda d: "14.2.0" if d.startswith("cupy-cuda") else real(d)
+        cupy_packages.metadata, "version", lambda d: "14.2.0" if d.startswith("cupy-cuda") else real(d)
     )
-    monkeypatch.setattr(probe, "_checked", [])
+    monkeypatch.setattr(cupy_packages, "_checked", [])
     with pytest.raises(RuntimeError, match="both cupy-cuda12x and cupy-cuda13x are installed"):
         device.import_cupy()  # where every GPU call, precompile and can_run reach CuPy
 

@@ -8,13 +8,13 @@ from functools import cache
 from typing import Any
 
 from . import disk_cache as _cache
-from . import probe as _probe
+from .cupy_packages import check_single_cupy
 
 MIN_CAPABILITY = (8, 0)
 
 
 def import_cupy() -> Any:
-    _probe.check_single_cupy()  # cupy-cuda12x and cupy-cuda13x both installed: a clear error
+    check_single_cupy()  # cupy-cuda12x and cupy-cuda13x both installed: a clear error
     _cache.check_cupy_cache_dir()  # a cache directory that cannot be created: a clear error
     try:
         import cupy

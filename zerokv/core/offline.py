@@ -171,9 +171,7 @@ def check_arch(arch: str) -> str:
     return arch
 
 
-def options(arch: str) -> list[str]:
-    # -ftz=true: CuPy always adds it, so the offline build matches the run-time one.
-    return [f"-arch={arch}", "-ftz=true", *_sources.NVRTC_OPTIONS]
+options = _sources.nvrtc_options
 
 
 def _log(prog: Any) -> str:

@@ -169,14 +169,14 @@ def _read(directory: Path, stem: str, arch: str, code: str, options: list[str]) 
 def _module(directory: Path, stem: str, code: str, device: int, capability: tuple[int, int]) -> Any:
     """(loaded CuPy Module, expression -> lowered name) of ``stem`` on ``device``, or None."""
     from . import device as _device
-    from . import offline as _offline
+    from . import sources as _sources
 
     key = (str(directory), stem, device)
     if key in _modules:
         return _modules[key]
     found = None
     for arch in archs_for(capability):
-        entry = _read(directory, stem, arch, code, _offline.options(arch))
+        entry = _read(directory, stem, arch, code, _sources.nvrtc_options(arch))
         if entry is None:
             continue
         cupy = _device.import_cupy()

@@ -48,3 +48,9 @@ def kernel_source(kernel: Kernel) -> str:
     if kernel.code is not None:
         return _kernels.block_defines(kernel.stem, (kernel,)) + kernel.code
     return source(kernel.stem)
+
+
+def nvrtc_options(arch: str) -> list[str]:
+    """NVRTC's options for ``arch``, the offline build's and the kernel directory's key.
+    ``-ftz=true``: CuPy always adds it, so the offline build matches the run-time one."""
+    return [f"-arch={arch}", "-ftz=true", *NVRTC_OPTIONS]
