@@ -41,6 +41,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from . import bench_cp_kernels
+from .bench_cp_kernels import grid, vllm_a2a_combine, vllm_a2a_pack
 from .common import Bench, Row, Task, max_error
 
 OP = "cp_merge"
@@ -54,16 +56,7 @@ WORLD = 2
 SAMPLE = 128  # (token, head) rows checked against the float64 reference
 
 
-def grid(mode: str) -> tuple[tuple[int, ...], int, int]:
-    """(T values, H, D)."""
-    if mode == "dry":
-        return (1, 5), 4, 8
-    return (1, 64, 1024, 8192), 128, 512
-
-
 def tasks(b: Bench, part: str) -> list[Task]:
-    from . import bench_cp_kernels
-
     local = bench_cp_kernels.tasks(b, part)  # the all-to-all's kernels alone, on one GPU
     return [Task(part, f"{OP} on {WORLD} GPUs (T = {', '.join(map(str, grid(b.mode)[0]))})", run), *local]
 
@@ -105,27 +98,6 @@ def vllm_design_a2a(torch: Any, v: Any, s: Any, N: int, wire: Any) -> Any:
     recv = torch.empty_like(send)
     torch.distributed.all_to_all_single(recv.view(torch.uint8).view(-1), send.view(torch.uint8).view(-1))
     return vllm_a2a_combine(torch, recv, D, v.dtype)
-
-
-def vllm_a2a_pack(v: Any, s: Any, N: int, send: Any) -> None:
-    """``vllm_design_a2a``'s pack: ``v [T, H, D]`` and ``s [T, H]`` into ``send [N, T, H/N, D + P]``
-    of the wire dtype, the float32 LSE bitcast into the last ``P`` columns."""
-    T, H, D = v.shape
-    send[..., :D] = v.view(T, N, H // N, D).transpose(0, 1)
-    send[..., D:] = s.float().view(T, N, H // N).transpose(0, 1).contiguous().unsqueeze(-1).view(send.dtype)
-
-
-def vllm_a2a_combine(torch: Any, recv: Any, D: int, dtype: Any) -> Any:
-    """``vllm_design_a2a``'s combine of the received ``[N, T, H/N, D + P]``: ``[T, H/N, D]``."""
-    lses = recv[..., D:].contiguous().view(torch.float32).squeeze(-1)  # [N, T, Hn]
-    inf = float("inf")
-    lses = torch.where(torch.isnan(lses) | (lses == inf), -inf, lses)
-    m = lses.amax(0)
-    m = torch.where(m == -inf, 0.0, m)
-    lse = torch.log(torch.exp(lses - m).sum(0)) + m
-    w = torch.exp(lses - lse)
-    w = torch.where(torch.isnan(w), 0.0, w)
-    return (recv[..., :D].float() * w.unsqueeze(-1)).sum(0).to(dtype)
 
 
 def vllm_design(torch: Any, v: Any, s: Any, N: int, rank: int) -> tuple[Any, Any]:

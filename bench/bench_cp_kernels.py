@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .bench_cp import vllm_a2a_combine, vllm_a2a_pack
 from .common import Bench, Row, Sets, Task, max_error
 
 OP = "cp_merge a2a kernels"
@@ -27,15 +26,11 @@ SAMPLE = 64  # tokens checked against the float64 reference
 
 
 def tasks(b: Bench, part: str) -> list[Task]:
-    from .bench_cp import grid
-
     Ts = grid(b.mode)[0]
     return [Task(part, f"{OP} on one GPU (T = {', '.join(map(str, Ts))})", run)]
 
 
 def run(b: Bench) -> list[Row]:
-    from .bench_cp import grid
-
     Ts, H, D = grid(b.mode)
     if b.dry:
         return [
@@ -135,3 +130,31 @@ def _measure(b: Bench, T: int, H: int, D: int, wire_name: str) -> list[Row]:
         rows.append(b.row(OP, impl, nbytes, t.us, dtype="bf16", T=T, H=H, D=D, event_us=t.event_us, max_err=e,
                           params={"N": N, "wire": wire_name}, stats=t.stats, note=t.note))  # fmt: skip
     return rows
+
+
+def grid(mode: str) -> tuple[tuple[int, ...], int, int]:
+    """(T values, H, D)."""
+    if mode == "dry":
+        return (1, 5), 4, 8
+    return (1, 64, 1024, 8192), 128, 512
+
+
+def vllm_a2a_pack(v: Any, s: Any, N: int, send: Any) -> None:
+    """``vllm_design_a2a``'s pack: ``v [T, H, D]`` and ``s [T, H]`` into ``send [N, T, H/N, D + P]``
+    of the wire dtype, the float32 LSE bitcast into the last ``P`` columns."""
+    T, H, D = v.shape
+    send[..., :D] = v.view(T, N, H // N, D).transpose(0, 1)
+    send[..., D:] = s.float().view(T, N, H // N).transpose(0, 1).contiguous().unsqueeze(-1).view(send.dtype)
+
+
+def vllm_a2a_combine(torch: Any, recv: Any, D: int, dtype: Any) -> Any:
+    """``vllm_design_a2a``'s combine of the received ``[N, T, H/N, D + P]``: ``[T, H/N, D]``."""
+    lses = recv[..., D:].contiguous().view(torch.float32).squeeze(-1)  # [N, T, Hn]
+    inf = float("inf")
+    lses = torch.where(torch.isnan(lses) | (lses == inf), -inf, lses)
+    m = lses.amax(0)
+    m = torch.where(m == -inf, 0.0, m)
+    lse = torch.log(torch.exp(lses - m).sum(0)) + m
+    w = torch.exp(lses - lse)
+    w = torch.where(torch.isnan(w), 0.0, w)
+    return (recv[..., :D].float() * w.unsqueeze(-1)).sum(0).to(dtype)
