@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from .. import merge as _merge
-from ..core.tensors import view
+from ..core.tensors import torch_dtype_names, torch_tensor_type, view
 
 _IN_PLACE_NAMES = {"v_a": "v", "s_a": "s", "v_b": "v_other", "s_b": "s_other", "out": "v", "out_lse": "s"}
 _CONVERTED = ("float16", "bfloat16", "float64")
@@ -21,6 +21,8 @@ _CONVERTED = ("float16", "bfloat16", "float64")
 def _float32_lse(s: Any, arg: str) -> Any:
     """``s`` itself when it is float32; a float32 copy of a float16/bfloat16/float64 one (what
     FlashInfer's ``s.to(torch.float32)`` does); anything else as it is (the merge rejects it)."""
+    if type(s) is torch_tensor_type() and torch_dtype_names().get(s.dtype) == "float32":
+        return s  # the common call: no view of the tensor needed
     dtype = view(s, arg).dtype  # TypeError naming the argument for what is not a tensor
     if dtype not in _CONVERTED:
         return s
