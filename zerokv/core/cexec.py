@@ -22,6 +22,7 @@ import importlib.util
 import os
 import shlex
 import shutil
+import struct
 import subprocess
 import sys
 import sysconfig
@@ -129,12 +130,42 @@ def _import(path: Path) -> Any:
     return module
 
 
+def _elf_whole(data: bytes) -> bool:
+    """``data`` is a whole shared object for this machine: an ELF header of this process's class,
+    byte order and machine, the program and section tables and every loaded segment inside the
+    file (the dynamic loader reads past the end of a truncated one, and the process dies)."""
+    if not sys.platform.startswith("linux"):
+        return True
+    try:
+        with open(sys.executable, "rb") as f:
+            own = f.read(20)
+        if data[:4] != b"\x7fELF" or data[4:6] != own[4:6] or data[18:20] != own[18:20]:
+            return False
+        wide, end = data[4] == 2, "<" if data[5] == 1 else ">"
+        head = struct.unpack_from(end + ("QQQIHHHHHH" if wide else "IIIIHHHHHH"), data, 24)
+        _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _ = head
+        if phoff + phnum * phentsize > len(data) or shoff + shnum * shentsize > len(data):
+            return False
+        for i in range(phnum):
+            if wide:
+                kind, _, offset, _, _, size = struct.unpack_from(end + "IIQQQQ", data, phoff + i * phentsize)
+            else:
+                kind, offset, _, _, size = struct.unpack_from(end + "IIIII", data, phoff + i * phentsize)
+            if kind == 1 and offset + size > len(data):  # a PT_LOAD segment past the end
+                return False
+        return True
+    except (OSError, struct.error):
+        return False
+
+
 def _load_checked(path: Path) -> Any:
-    """The module at ``path`` when its bytes match the SHA-256 written beside it."""
+    """The module at ``path`` when its bytes match the SHA-256 written beside it and make a whole
+    shared object for this machine."""
     want = path.with_name(path.name + ".sha256").read_text().strip()
-    if _sha(path) != want:
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != want or not _elf_whole(data):
         raise ImportError(
-            f"{path} is truncated or corrupt (its SHA-256 differs from the one written with it)"
+            f"{path} is truncated, corrupt or foreign (its SHA-256, or not a whole shared object)"
         )
     return _import(path)
 
