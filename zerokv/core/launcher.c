@@ -165,6 +165,7 @@ static PyObject *writable_cheap;   /* generic_tensors.writable_cheap (bind()) */
 static PyObject *unreadable;       /* the exceptions that make a call "not taken" */
 static PyObject *s_requires_grad, *s_is_inference, *s_c_state, *s_table, *s_torch_type,
     *s_device, *s_result, *s_allocators, *s_entry, *s_launcher, *s_expr;
+static PyObject *s_consts, *s_stream;
 static PyObject *s_handle, *s_context, *s_block, *s_grid, *s_per_token, *s_run_tail,
     *s_run_spans, *s_cap, *s_pack, *s_const_bits, *s_nbytes, *s_t_lo, *s_t_hi;
 
@@ -177,7 +178,8 @@ typedef struct {
 } Pack;
 
 typedef struct {
-    PyObject *entry; /* the Python Entry (owned); NULL: the slot is free */
+    PyObject *entry;  /* the Python Entry (owned); NULL: the slot is free */
+    PyObject *consts; /* its constants as Python values (owned): a launch through its launcher */
     int64_t t_lo, t_hi;
     int64_t rest[MAX_KEY];
     void *handle, *context;
@@ -209,7 +211,7 @@ static void state_free(PyObject *capsule)
         return;
     }
     for (int i = 0; i < FORMS_KEPT; i++)
-        Py_XDECREF(st->forms[i].entry);
+        Py_XDECREF(st->forms[i].entry), Py_XDECREF(st->forms[i].consts);
     Py_XDECREF(st->type);
     PyMem_Free(st->rec);
     PyMem_Free(st);
@@ -732,6 +734,14 @@ static int read_form(PyObject *e, Form *f)
     Py_DECREF(pack);
     if (PyErr_Occurred())
         PyErr_Clear();
+    if (ok && f->handle == NULL) { /* no loaded function: launches go through its Python launcher */
+        f->consts = PyObject_GetAttr(e, s_consts);
+        ok = f->consts != NULL && PyTuple_Check(f->consts) && PyTuple_GET_SIZE(f->consts) == f->nconst;
+        if (!ok) {
+            Py_CLEAR(f->consts);
+            PyErr_Clear();
+        }
+    }
     return ok;
 }
 
@@ -765,6 +775,7 @@ static Form *form_of(PyObject *bc, State *st, int64_t T, const int64_t *rest, in
     Form *f = &st->forms[st->next_form];
     st->next_form = (st->next_form + 1) % FORMS_KEPT;
     Py_CLEAR(f->entry);
+    Py_CLEAR(f->consts);
     int got = read_form(e, f);
     if (got <= 0) {
         Py_DECREF(e);
@@ -790,9 +801,43 @@ static PyObject *launch_error(PyObject *e, const char *what, int code)
     return NULL;
 }
 
+/* A form without a loaded function (its launcher stands in for one: tests, tools): its
+ * launcher's launch_values(grid, grid_y, bc.stream(device), values), as the Python executor
+ * launches. 0 done, -1 an exception. */
+static int launch_in_python(PyObject *bc, const State *st, Form *f, const int64_t *r, int64_t grid,
+                            int64_t grid_y)
+{
+    PyObject *values = PyTuple_New(f->npack), *stream = NULL, *launcher = NULL, *got = NULL;
+    if (values == NULL)
+        return -1;
+    for (int i = 0; i < f->npack; i++) {
+        int src = f->pack[i].src;
+        PyObject *v = src >= CONST_BASE ? Py_NewRef(PyTuple_GET_ITEM(f->consts, src - CONST_BASE))
+                                        : PyLong_FromLongLong(r[src]);
+        if (v == NULL)
+            goto done;
+        PyTuple_SET_ITEM(values, i, v);
+    }
+    PyObject *device = PyLong_FromLongLong(st->device);
+    stream = device ? PyObject_CallMethodOneArg(bc, s_stream, device) : NULL;
+    Py_XDECREF(device);
+    launcher = stream ? PyObject_GetAttr(f->entry, s_launcher) : NULL;
+    if (launcher != NULL)
+        got = PyObject_CallMethod(launcher, "launch_values", "LLOO", (long long)grid, (long long)grid_y,
+                                  stream, values);
+done:
+    Py_DECREF(values);
+    Py_XDECREF(stream);
+    Py_XDECREF(launcher);
+    if (got == NULL)
+        return -1;
+    Py_DECREF(got);
+    return 0;
+}
+
 /* Pack the form's parameters from the registers and launch (or record, or count). 0 done, -1
  * an exception. */
-static int launch(const State *st, Form *f, int64_t *r, int64_t T)
+static int launch(PyObject *bc, const State *st, Form *f, int64_t *r, int64_t T)
 {
     int64_t grid, grid_y;
     if (f->per_token) {
@@ -840,6 +885,15 @@ static int launch(const State *st, Form *f, int64_t *r, int64_t T)
             return -1;
         Py_DECREF(got);
         return 0;
+    }
+    if (f->handle == NULL) {
+        PyObject *e = Py_NewRef(f->entry); /* the slot may be reused while Python code runs */
+        PyObject *consts = Py_NewRef(f->consts);
+        Form copy = *f;
+        int rc = launch_in_python(bc, st, &copy, r, grid, grid_y);
+        Py_DECREF(consts);
+        Py_DECREF(e);
+        return rc;
     }
     if (load_driver() < 0)
         return -1;
@@ -942,7 +996,7 @@ static PyObject *execute(PyObject *bc, State *st, Call *c, PyObject *scalars)
             for (int j = 0; j < st->nresult; j++) /* check the result can be made before launching */
                 if (c->made[st->result[j]] == NULL && st->result[j] >= c->nobjs)
                     return Py_NewRef(Py_None);
-            if (launch(st, f, r, T) < 0)
+            if (launch(bc, st, f, r, T) < 0)
                 return NULL;
             return result_of(st, c);
         }
@@ -1083,7 +1137,7 @@ PyMODINIT_FUNC PyInit_zerokv_launcher(void)
         {&s_handle, "handle"}, {&s_context, "context"}, {&s_block, "block"}, {&s_grid, "grid"},
         {&s_per_token, "per_token"}, {&s_run_tail, "run_tail"}, {&s_run_spans, "run_spans"},
         {&s_cap, "cap"}, {&s_pack, "pack"}, {&s_const_bits, "const_bits"}, {&s_nbytes, "nbytes"},
-        {&s_t_lo, "t_lo"}, {&s_t_hi, "t_hi"},
+        {&s_t_lo, "t_lo"}, {&s_t_hi, "t_hi"}, {&s_consts, "consts"}, {&s_stream, "stream"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
