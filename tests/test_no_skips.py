@@ -16,6 +16,7 @@ TESTS = Path(__file__).resolve().parent
 def _run(pytester, source: str):
     pytester.makeconftest((TESTS / "conftest.py").read_text())
     pytester.makefile(".py", tolerances=(TESTS / "tolerances.py").read_text())
+    pytester.makefile(".py", oracles=(TESTS / "oracles.py").read_text())
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs a GPU\n    multigpu: needs two\n")
     pytester.makepyfile(test_case=source)
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rfE")
@@ -64,6 +65,7 @@ def _run_without_a_usable_gpu(pytester, monkeypatch, require: str | None, torch_
         args = ["-p", "torch_sees_cuda"]
     pytester.makeconftest((TESTS / "conftest.py").read_text())
     pytester.makefile(".py", tolerances=(TESTS / "tolerances.py").read_text())
+    pytester.makefile(".py", oracles=(TESTS / "oracles.py").read_text())
     pytester.makeini("[pytest]\nmarkers =\n    gpu: needs a GPU\n    multigpu: needs two\n")
     pytester.makepyfile(test_case=CPU_AND_GPU)
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
