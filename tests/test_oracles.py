@@ -44,8 +44,8 @@ def _close(got, want, what="", impl="oracle"):
 
 # --- the split-keys property: merged chunk states are attention over all keys ---------------
 
-SPLITS = [  # (T, H, D, keys, chunks)
-    (5, 3, 8, 40, 2),
+SPLITS = [  # (T, H, D, keys, chunks); every case holds empty chunks, so ``empty_as`` matters
+    (5, 3, 8, 40, 4),  # two chunks of keys, two empty
     (7, 2, 5, 33, 5),
     (3, 4, 16, 9, 8),  # more chunks than keys: several empty
     (4, 1, 3, 0, 3),  # no keys at all: every chunk empty
@@ -56,6 +56,9 @@ def _split(case, base, empty_as, sinks, seed):
     T, H, D, L, N = case
     q, k, v = random_attention(T, H, D, L, seed)
     bounds = random_bounds(L, N, np.random.default_rng(seed))
+    sizes = np.diff(bounds)
+    assert (sizes == 0).any(), f"{case}: no empty chunk, the empty_as variants would be one test"
+    assert L == 0 or (sizes > 0).sum() >= 2, f"{case}: one chunk holds every key, nothing to merge"
     vs, ss = chunk_states(q, k, v, bounds, base, empty_as, seed)
     sink = None if not sinks else np.random.default_rng(seed + 1).standard_normal(H) * 2
     return (q, k, v), (vs, ss), sink
