@@ -2,9 +2,10 @@
 
 Used by ``tests/test_cp_merge.py`` (gloo on the CPU, ranks simulated on one GPU) and
 ``tests/test_multigpu.py`` (NCCL on two GPUs). Every rank builds all ranks' inputs from one
-seed, passes its own, and compares its output with independent oracles: the float64 merge of
-all ranks' inputs (``zerokv.reference.merge_states``) and, for the split-keys case, attention
-computed directly over all keys. Outputs are poisoned with NaN before each call.
+seed, passes its own, and compares its output with independent oracles (``oracles.py``, never
+zerokv's reference): the float64 merge of all ranks' inputs (``oracles.merge``) and, for the
+split-keys case, attention computed directly over all keys (``oracles.attention``). Outputs are
+poisoned with NaN before each call.
 
 Failures surface: a check never raises inside a case. It records its message on the rank's
 ``Ctx`` and the case goes on, so every rank issues every collective in the same order whatever
@@ -19,11 +20,11 @@ import traceback
 import types
 
 import numpy as np
+import oracles
 import torch
 from conftest import f64
 
 import zerokv
-from zerokv import reference
 from zerokv.compat import vllm
 
 cpm = importlib.import_module("zerokv.cp_merge")  # the module (zerokv.cp_merge is the function)
@@ -93,38 +94,36 @@ def _states(seed, N, T, H, D, empty, plus_inf, spread):
 
 
 def split_keys(seed, N, T, H, D, base, sinks=None):
-    """Attention over keys split into N shards, computed directly in float64: per row, logits
-    over K keys (base-``base`` units) and their values; shard r holds a contiguous span of keys
-    (spans of every size, empty ones included: LSE -inf, V NaN). Returns the shards' states
-    ``V [N, T, H, D]``, ``S [N, T, H]`` and attention over all keys at once ``(out, lse, mag)``
-    (``sinks``: one more logit per head in the normaliser, with V = 0)."""
+    """Attention over keys split into N shards (``oracles.attention``, float64): each row its own
+    K keys, logits ``q.k / sqrt(Dk)`` in base-``base`` units with a spread of about 3; shard r
+    holds a contiguous span of a row's keys (spans of every size, empty ones included: LSE -inf,
+    V NaN). Returns the shards' states ``V [N, T, H, D]``, ``S [N, T, H]`` and attention over all
+    keys at once ``(out, lse, mag)``, ``mag`` the same weights over ``|v|`` (``sinks``: one more
+    logit per head in the normaliser, with V = 0)."""
     rng = np.random.default_rng(seed)
-    K = 3 * N + 2
-    logits = rng.standard_normal((T, H, K)) * 3
-    values = rng.standard_normal((T, H, K, D))
+    K, Dk = 3 * N + 2, 16
+    q = rng.standard_normal((T, 1, H, Dk)) * np.sqrt(3.0)  # q.k / sqrt(Dk): standard deviation 3
+    k = rng.standard_normal((T, K, H, Dk)) * np.sqrt(3.0)
+    values = rng.standard_normal((T, K, H, D))
     cuts = np.sort(rng.integers(0, K + 1, size=(T, N - 1)), axis=1)
     edges = np.concatenate([np.zeros((T, 1), int), cuts, np.full((T, 1), K)], axis=1)  # [T, N + 1]
     edges[0, :] = 0  # token 0: every key on the last rank, the others empty
     edges[0, -1] = K
     if T > 1:
         edges[1, 1:] = K  # token 1: every key on rank 0
-    b = np.e if base == "e" else 2.0
     V = np.full((N, T, H, D), np.nan)
     S = np.full((N, T, H), -np.inf)
-    for r in range(N):
-        for t in range(T):
+    out, lse, mag = np.zeros((T, H, D)), np.zeros((T, H)), np.zeros((T, H, D))
+    for t in range(T):
+        for r in range(N):
             lo, hi = edges[t, r], edges[t, r + 1]
             if hi > lo:
-                w = b ** logits[t, :, lo:hi]  # [H, k]
-                S[r, t] = np.log(w.sum(-1)) / np.log(b)
-                V[r, t] = (w[..., None] * values[t, :, lo:hi]).sum(1) / w.sum(-1)[..., None]
-    w = b**logits
-    z = w.sum(-1)
-    if sinks is not None:
-        z = z + b ** np.asarray(sinks, np.float64)[None, :]
-    out = (w[..., None] * values).sum(2) / z[..., None]
-    mag = (w[..., None] * np.abs(values)).sum(2) / z[..., None]
-    return V, S, out, np.log(z) / np.log(b), mag
+                o, s_ = oracles.attention(q[t], k[t, lo:hi], values[t, lo:hi], base)
+                V[r, t], S[r, t] = o[0], s_[0]
+        o, s_ = oracles.attention(q[t], k[t], values[t], base, sinks)
+        out[t], lse[t] = o[0], s_[0]
+        mag[t] = oracles.attention(q[t], k[t], np.abs(values[t]), base, sinks)[0][0]
+    return V, S, out, lse, mag
 
 
 def ulp(x, kind):
@@ -177,17 +176,18 @@ def _check(got, want, mag, kind, what, roundings):
 
 
 REFERENCE = [True]  # False while simulated ranks run the passes whose results are not checked
-WRONG = [0.0]  # a deliberate error added to the reference (the failure-surfacing test only)
+WRONG = [0.0]  # a deliberate error added to the oracle (the failure-surfacing test only)
 
 
 def expected(V, S, base="e", sinks=None):
-    """float64 reference over all ranks, and the magnitude of the shares (for the bounds)."""
+    """The float64 merge of all ranks' states (the oracle), and the magnitude of the shares (for
+    the bounds)."""
     if not REFERENCE[0]:
         return None, None, None
     Vd, Sd = f64(V), f64(S)
     sk = None if sinks is None else f64(sinks)
-    out, lse = reference.merge_states(Vd, Sd, base, sk)
-    mag, _ = reference.merge_states(np.abs(Vd), Sd, base, sk)
+    out, lse = oracles.merge(Vd, Sd, base, sk)
+    mag, _ = oracles.merge(np.abs(Vd), Sd, base, sk)
     return out + WRONG[0], lse, mag
 
 

@@ -1,5 +1,5 @@
-"""Mutation run: plausible bugs put one at a time into the float64 reference and the CPU path; for
-each, the number of CPU tests that fail. A mutant that fewer than 3 tests catch is a hole in the
+"""Mutation run: plausible bugs put one at a time into the float64 reference, the CPU path, the
+planner and cp_merge's CPU path; for each, the number of CPU tests that fail. A mutant that fewer than 3 tests catch is a hole in the
 suite. Not collected by pytest (no ``test_`` prefix); run from the repository root:
 
     python tests/mutants.py [--only NAME,...] [-- extra pytest arguments]
@@ -21,6 +21,8 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 REF = "zerokv/reference.py"
 CPU = "zerokv/core/cpu_path.py"
+PLAN = "zerokv/plan.py"
+CPM = "zerokv/cp_merge_cpu.py"
 
 
 class Mutant(NamedTuple):
@@ -70,6 +72,32 @@ MUTANTS = [
            "a_empty not passed to the merge (CPU path)"),
     Mutant("empty_rules_swapped", CPU, "if rule_offsets else reference.zero_kv_requests(lens)",
            "if not rule_offsets else reference.zero_kv_requests(lens)", "fixup and mask rules swapped (CPU path)"),
+    Mutant("base_swapped", REF, 'return np.e if str(lse_base) == "e" else 2.0',
+           'return 2.0 if str(lse_base) == "e" else np.e', "every LSE read in the other base"),
+    Mutant("lse_off_1e-3", REF, "lse = np.where(live, m_safe +", "lse = 1e-3 + np.where(live, m_safe +",
+           "the merged LSE 1e-3 too large"),
+    Mutant("verbatim_one_row_late", REF,
+           "out[prefix_rows:] = np.asarray(v_b, dtype=np.float64)[prefix_rows:]\n        lse[prefix_rows:] = s_b[prefix_rows:]",
+           "out[prefix_rows + 1:] = np.asarray(v_b, dtype=np.float64)[prefix_rows + 1:]\n"
+           "        lse[prefix_rows + 1:] = s_b[prefix_rows + 1:]", "the verbatim suffix starts one row past the cutoff"),
+    Mutant("a_empty_first_row_kept", REF, "return (start <= t) & (t < end)", "return (start < t) & (t < end)",
+           "a_empty misses the first row of each empty request"),
+    Mutant("sinks_natural_log", REF, "    base = _base(lse_base)\n    sink = ", "    base = np.e\n    sink = ",
+           "sinks folded in natural logs whatever the LSE base"),
+    Mutant("ue8m0_rounds_down", REF, "up = np.where(m == 0.5, scale, np.ldexp(1.0, e))",
+           "up = np.where(m == 0.5, scale, np.ldexp(1.0, e - 1))", "a UE8M0 scale rounded down, not up"),
+    Mutant("ue8m0_ignored", CPU, 'v["scale_format"] == "ue8m0"', "False",
+           "scale_format='ue8m0' ignored (CPU path)"),
+    Mutant("plan_width_all_requests", PLAN, "(chunk_tokens // max(with_context, 1))", "(chunk_tokens // q.shape[0])",
+           "the chunk width divides the budget by every request, not those with context"),
+    Mutant("plan_chunks_floor", PLAN, "num_chunks = -(-longest // width)", "num_chunks = longest // width",
+           "the chunk count rounded down (the last partial chunk lost)"),
+    Mutant("plan_empty_requests", PLAN, "num_empty = ((lens == 0) * q[None, :]).sum(axis=1)",
+           "num_empty = (lens == 0).sum(axis=1)", "num_empty_rows counts requests, not their rows"),
+    Mutant("cp_plus_inf_share", CPM, "usable = np.isfinite(lses)", "usable = ~np.isnan(lses) & (lses != -np.inf)",
+           "a +inf shard counted in the shares (cp_merge's CPU path)"),
+    Mutant("cp_base_ignored", CPM, 'base = np.e if lse_base == "e" else 2.0', "base = np.e",
+           "lse_base=2 read as natural logs (cp_merge's CPU path)"),
 ]  # fmt: skip
 
 

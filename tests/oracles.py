@@ -10,7 +10,10 @@ imports ``zerokv``; it states each rule again, the plain way, in float64:
   every input empty -> ``(0, -inf)``, a NaN LSE -> NaN in the row's V and LSE. It is checked
   against :func:`attention` and against closed forms worked by hand, then used by the CPU tests.
 - the empty-row rules as loops over Python ints (:func:`fixup_rows`, :func:`mask_rows`,
-  :func:`a_empty_rows`) and :func:`with_empty_rows`.
+  :func:`a_empty_rows`) and :func:`with_empty_rows`; :func:`a_empty_rows_searched`, the search
+  the kernel makes, for offsets that are not non-decreasing.
+- :func:`group_fp8`: vLLM's per-group fp8 e4m3 rule, each value rounded to the nearest entry of
+  the e4m3 table built from the format's definition (:data:`E4M3_TABLE`).
 """
 
 from __future__ import annotations
@@ -35,14 +38,18 @@ def f64(x) -> np.ndarray:
 # --- attention, directly -----------------------------------------------------------------------
 
 
-def attention(q, k, v, base="e", sink=None) -> tuple[np.ndarray, np.ndarray]:
+def attention(q, k, v, base="e", sink=None, causal_offset=None) -> tuple[np.ndarray, np.ndarray]:
     """Attention over all keys: ``q [T, H, Dk]``, ``k [L, H, Dk]``, ``v [L, H, D]`` ->
     ``(out [T, H, D], lse [T, H])``, logits ``q.k / sqrt(Dk)`` read in units of ``base``
     (``p_l = base^(x_l) / sum base^(x_j)``), ``lse = log_base(sum base^(x_l))``. ``sink [H]``: one
-    more logit per head with a zero value. No keys and no sink: ``(0, -inf)``."""
+    more logit per head with a zero value. ``causal_offset``: query t sees keys
+    ``l <= t + causal_offset`` only. A row with no key it sees and no sink: ``(0, -inf)``."""
     q, k, v = f64(q), f64(k), f64(v)
     T, H, Dk = q.shape
     x = np.einsum("thd,lhd->thl", q, k) / np.sqrt(Dk) * _ln_of_base(base)  # natural units
+    if causal_offset is not None:
+        unseen = np.arange(k.shape[0])[None, :] > np.arange(T)[:, None] + causal_offset  # [T, L]
+        x = np.where(unseen[:, None, :], -np.inf, x)
     vals = np.broadcast_to(v.transpose(1, 0, 2), (H, *v.shape[:1], v.shape[2]))  # [H, L, D]
     if sink is not None:
         sink_x = np.broadcast_to(f64(sink) * _ln_of_base(base), (T, H))[..., None]
@@ -51,10 +58,13 @@ def attention(q, k, v, base="e", sink=None) -> tuple[np.ndarray, np.ndarray]:
     if x.shape[-1] == 0:
         return np.zeros((T, H, v.shape[2])), np.full((T, H), -np.inf)
     top = x.max(axis=-1, keepdims=True)
+    seen = np.isfinite(top)  # a row that sees no key
+    top = np.where(seen, top, 0.0)
     p = np.exp(x - top)
     z = p.sum(axis=-1, keepdims=True)
-    out = np.einsum("thl,hld->thd", p / z, vals)
-    return out, (top[..., 0] + np.log(z[..., 0])) / _ln_of_base(base)
+    out = np.einsum("thl,hld->thd", p / np.where(seen, z, 1.0), vals)
+    lse = np.where(seen[..., 0], top[..., 0] + np.log(np.where(seen, z, 1.0)[..., 0]), -np.inf)
+    return out, lse / _ln_of_base(base)
 
 
 def chunk_states(q, k, v, bounds, base="e", empty_as="zero", seed=0):
@@ -179,9 +189,24 @@ def mask_rows(cu, cu_kv, T: int) -> np.ndarray:
 
 
 def a_empty_rows(cu, kv, T: int) -> np.ndarray:
-    """``a_empty``'s rows: row t's request is the one a binary search over ``cu`` finds (for
-    non-decreasing offsets the r with ``cu[r] <= t < cu[r + 1]``); a-empty when that request's
-    clipped span holds t and its ``kv`` is 0."""
+    """``a_empty``'s rows for non-decreasing offsets (each row in at most one request): the rows
+    of every request with ``kv[i] == 0``, its span clipped to ``[0, T)``. A row of no request is
+    not a-empty. Other offsets: :func:`a_empty_rows_searched`."""
+    cu, kv = _ints(cu), _ints(kv)
+    assert all(cu[i] <= cu[i + 1] for i in range(len(cu) - 1)), "offsets that decrease: a_empty_rows_searched"
+    rows = np.zeros(T, dtype=bool)
+    for i in range(len(cu) - 1):
+        if kv[i] == 0:
+            for t in _span(cu, i, T):
+                rows[t] = True
+    return rows
+
+
+def a_empty_rows_searched(cu, kv, T: int) -> np.ndarray:
+    """``a_empty``'s rows for any offsets (decreasing ones too): row t's request is the one a
+    binary search over ``cu`` finds (for non-decreasing offsets the r with ``cu[r] <= t <
+    cu[r + 1]``, where it equals :func:`a_empty_rows`); a-empty when that request's clipped
+    span holds t and its ``kv`` is 0."""
     cu, kv = _ints(cu), _ints(kv)
     B = len(cu) - 1
     rows = np.zeros(T, dtype=bool)
@@ -206,3 +231,45 @@ def with_empty_rows(out, lse, rows) -> tuple[np.ndarray, np.ndarray]:
     out[rows] = 0.0
     lse[rows] = -np.inf
     return out, lse
+
+
+# --- per-group fp8 e4m3, from the format's definition -------------------------------------------
+
+
+def _e4m3_table() -> np.ndarray:
+    """Every finite non-negative e4m3 value, indexed by its bit pattern 0x00-0x7e (ascending):
+    exponent ``e`` (4 bits, bias 7) and fraction ``m`` (3 bits); ``e = 0`` is subnormal."""
+    bits = np.arange(0x7F)
+    e, m = bits >> 3, bits & 7
+    return np.where(e == 0, m * 2.0**-9, (1 + m / 8) * 2.0 ** (e - 7))
+
+
+E4M3_TABLE = _e4m3_table()
+
+
+def e4m3(x) -> np.ndarray:
+    """The nearest e4m3 value to each of ``x`` (ties to the even bit pattern), magnitudes past
+    448 saturating to 448, NaN kept: the table searched, nothing computed in fp8."""
+    x = np.asarray(x, dtype=np.float64)
+    a = np.minimum(np.abs(np.nan_to_num(x)), 448.0)
+    hi = np.minimum(np.searchsorted(E4M3_TABLE, a), len(E4M3_TABLE) - 1)  # first entry >= a
+    lo = np.maximum(hi - 1, 0)
+    d_lo, d_hi = a - E4M3_TABLE[lo], E4M3_TABLE[hi] - a
+    up = (d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0))
+    return np.where(np.isnan(x), np.nan, np.copysign(E4M3_TABLE[np.where(up, hi, lo)], x))
+
+
+def group_fp8(x, group: int, ue8m0: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """vLLM's per-group fp8 output of merged rows ``x [T, H, D]``: ``(values [T, H, D], scales
+    [T, H * D / group])``. In float32, as the kernels compute: for each group of ``group``
+    values along D, ``scale = max(absmax, 1e-10) / 448`` (``ue8m0``: the power of two at or
+    above it), values ``e4m3(x / scale)``."""
+    x32 = f64(x).astype(np.float32)
+    T, H, D = x32.shape
+    g = x32.reshape(T, H, D // group, group)
+    absmax = np.abs(g).max(axis=-1)
+    scale = np.maximum(absmax, np.float32(1e-10)) / np.float32(448.0)  # float32 arithmetic
+    if ue8m0:
+        scale = np.exp2(np.ceil(np.log2(scale.astype(np.float64)))).astype(np.float32)
+    values = e4m3(g / scale[..., None])  # the quotient in float32
+    return values.reshape(T, H, D), scale.astype(np.float64).reshape(T, H * (D // group))

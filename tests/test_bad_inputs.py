@@ -759,7 +759,7 @@ def test_numpy_through_the_adapters_matches_the_oracle():
     g = np.random.default_rng(7)
     v_a, v_b = (g.standard_normal((T, H, D)).astype(np.float32) for _ in range(2))
     s_a, s_b = (g.standard_normal((T, H)) * 4 for _ in range(2))  # float64: SGLang converts
-    ref_v, ref_s = oracles.merge2(v_a, s_a, v_b, s_b)
+    ref_v, ref_s = oracles.merge2(v_a, s_a.astype(np.float32), v_b, s_b.astype(np.float32))  # what both read
     v, s = sglang.merge_state_v2(v_a, s_a, v_b, s_b)
     assert isinstance(v, np.ndarray) and s.dtype == np.float32
     assert_close(v, ref_v, torch.float32)

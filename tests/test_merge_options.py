@@ -3,15 +3,17 @@ feature compiled in (kernels_cu/merge.cu, FEAT), on every size class (heads, sma
 gathered, tiled, unaligned, 64-bit), against the float64 reference. Empty inputs hold NaN/Inf
 garbage that must never reach the output; outputs start as NaN. Per-group fp8: bit for bit
 against the reference's rule where the merge is exact. The form table's choices are checked
-without a GPU."""
+without a GPU; on the CPU path, each option against the oracles (``oracles.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
+import oracles
 import pytest
 import torch
 from batches import LYING_CASES
 from conftest import assert_close, f64
+from states import make_states
 from test_launch_paths import recorded  # noqa: F401 - the fixture: CPU tensors down the GPU path
 
 import zerokv
@@ -742,10 +744,100 @@ def test_vllm_rules_for_the_per_group_output():
     with pytest.raises(ValueError, match="quant_group_size"):
         vllm.merge_attn_states(out, va, sa, vb, sb, output_block_scale=torch.zeros(T, 5), quant_group_size=48)
     assert out.view(torch.uint8).eq(0).all() and bs.eq(0).all()  # a rejected call wrote nothing
-    vllm.merge_attn_states(out, va, sa, vb, sb, output_block_scale=bs, quant_group_size=32)
-    ro, _ = reference.merge_state(f64(va), f64(sa.T), f64(vb), f64(sb.T))
-    values, scales = reference.fp8_group_scales(ro, 32)
+    lse = torch.full((H, T), NAN)
+    vllm.merge_attn_states(out, va, sa, vb, sb, lse, output_block_scale=bs, quant_group_size=32)
+    ro, rl = oracles.merge2(va, sa.T, vb, sb.T)
+    values, scales = oracles.group_fp8(ro, 32)
     assert np.array_equal(f64(out), values) and np.array_equal(f64(bs), scales)
+    assert_close(lse.T, rl, torch.float32, "output_lse")
+
+
+# --- each option on the CPU path, against the oracles --------------------------------------------
+
+CPU_OPTIONS = [
+    "a_empty_int32", "a_empty_int64", "sinks", "sinks_base2", "prefix_rows", "vllm_verbatim",
+    "vllm_lse_ht", "row_mask", "out_scale", "group_fp8", "group_fp8_ue8m0", "n_states_sinks",
+]  # fmt: skip
+
+
+def _cpu_option(option):
+    """``(run, want)``: one CPU call with ``option`` on states with every edge (empty inputs
+    of NaN garbage, +inf markers, a NaN LSE, huge gaps) into NaN-poisoned outputs, and the
+    oracles' ``(out, lse)`` (``lse`` None where the call writes none)."""
+    T, H, D = 40, 4, 32
+    va, sa, vb, sb = make_states(T, H, D, torch.float32, seed=21)
+    out, lse = torch.full((T, H, D), NAN), torch.full((T, H), NAN)
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(22)) * 2
+    if option.startswith("a_empty"):
+        cu = torch.tensor([0, 5, 5, 17, 30, T], dtype=torch.int32 if option.endswith("32") else torch.int64)
+        lens = torch.tensor([0, 3, 0, 9, 0], dtype=cu.dtype)
+        want = oracles.merge2(va, sa, vb, sb, a_empty=oracles.a_empty_rows(cu, lens, T))
+        return lambda: zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, a_empty=(cu, lens)), want
+    if option.startswith("sinks"):
+        base = 2 if option.endswith("base2") else "e"
+        want = oracles.merge2(va, sa, vb, sb, base=base, sinks=sinks)
+        return lambda: zerokv.merge_state(
+            va, sa, vb, sb, out=out, out_lse=lse, lse_base=base, sinks=sinks
+        ), want
+    if option == "prefix_rows":
+        want = oracles.merge2(va, sa, vb, sb, prefix_rows=27)
+        return lambda: zerokv.merge_state(va, sa, vb, sb, out=out, out_lse=lse, prefix_rows=27), want
+    if option.startswith("vllm"):
+        from zerokv.compat import vllm
+
+        k = 27 if option == "vllm_verbatim" else None
+        want = oracles.merge2(va, sa, vb, sb, prefix_rows=k, verbatim=k is not None)
+        lse_ht = torch.full((H, T), NAN)
+        run = lambda: vllm.merge_attn_states(out, va, sa.T, vb, sb.T, lse_ht, k) or (out, lse_ht.T)  # noqa: E731
+        return run, want
+    if option == "row_mask":
+        from zerokv.compat import flashinfer
+
+        mask = torch.rand(T, generator=torch.Generator().manual_seed(23)) < 0.5
+        merged = oracles.merge2(va, sa, vb, sb, base=2)
+        kept = f64(va), f64(sa)
+        want = tuple(
+            np.where(mask.numpy().reshape(-1, *[1] * (m.ndim - 1)), m, k)
+            for m, k in zip(merged, kept, strict=True)
+        )
+        v, s = va.clone(), sa.clone()
+        return lambda: flashinfer.merge_state_in_place(v, s, vb, sb, mask=mask) or (v, s), want
+    if option == "out_scale":
+        scale = torch.tensor([0.05])
+        merged, want_lse = oracles.merge2(va, sa, vb, sb)
+        values = oracles.e4m3(np.clip(merged / 0.05, -448.0, 448.0))
+        out8 = torch.full((T, H, D), NAN).to(FP8)
+        run = lambda: zerokv.merge_state(va, sa, vb, sb, out=out8, out_lse=lse, out_scale=scale)  # noqa: E731
+        return run, (values, want_lse)
+    if option.startswith("group_fp8"):
+        ue8m0 = option.endswith("ue8m0")
+        merged, want_lse = oracles.merge2(va, sa, vb, sb)
+        values, scales = oracles.group_fp8(merged, 16, ue8m0)
+        out8, bs = torch.full((T, H, D), NAN).to(FP8), torch.full((H * D // 16, T), NAN).T
+        kw = {"out_block_scale": bs, "quant_group": 16, "scale_format": "ue8m0" if ue8m0 else "float32"}
+
+        def run():
+            zerokv.merge_state(va, sa, vb, sb, out=out8, out_lse=lse, **kw)
+            np.testing.assert_array_equal(f64(bs), scales, err_msg="scales")
+            return out8, lse
+
+        return run, (values, want_lse)
+    v, s = torch.stack([va, vb, va.flip(0)]), torch.stack([sa, sb, sb.flip(0)])  # n_states_sinks
+    return lambda: zerokv.merge_states(v, s, out=out, out_lse=lse, sinks=sinks), oracles.merge(
+        v, s, sinks=sinks
+    )
+
+
+@pytest.mark.parametrize("option", CPU_OPTIONS)
+def test_each_option_on_the_cpu_path_equals_the_oracles(option):
+    run, (want_out, want_lse) = _cpu_option(option)
+    got = run()
+    out, lse = got if got is not None else (None, None)
+    if out.dtype == FP8:  # fp8 values exactly, NaN where the merge is NaN
+        assert np.array_equal(f64(out), want_out, equal_nan=True), option
+    else:
+        assert_close(out, want_out, torch.float32, f"{option} out")
+    assert_close(lse, want_lse, torch.float32, f"{option} lse")
 
 
 @pytest.mark.gpu

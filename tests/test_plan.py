@@ -9,8 +9,32 @@ import torch
 import zerokv
 
 
+def _expected_chunks(ctx, budget, align):
+    """The chunking rule of the docstring, request by request in Python ints: W = (budget // R)
+    rounded down to a multiple of ``align`` (R: requests with context), C = ceil(max / W),
+    request i's chunk c the tokens [c W, (c + 1) W) of its context."""
+    ctx = [int(n) for n in ctx]
+    R = 0
+    for n in ctx:
+        if n > 0:
+            R += 1
+    W = budget // max(R, 1)
+    W -= W % align
+    assert max(ctx) // W < 10**6, "a plan this check counts chunk by chunk"
+    C = 0
+    while max(ctx) > C * W:  # the fewest chunks of W tokens that hold the longest context
+        C += 1
+    starts = [[min(c * W, n) for n in ctx] for c in range(C)]
+    lens = [[max(0, min(n, (c + 1) * W) - c * W) for n in ctx] for c in range(C)]
+    return W, C, starts, lens
+
+
 def _check_plan(q, ctx, budget, align=1):
     plan = zerokv.plan_context_chunks(q, ctx, budget, align=align)
+    W, C, want_starts, want_lens = _expected_chunks(np.asarray(ctx).tolist(), budget, align)
+    assert (plan.chunk_width, plan.num_chunks) == (W, C)
+    assert np.asarray(plan.starts).tolist() == want_starts or C == 0
+    assert np.asarray(plan.lens).tolist() == want_lens or C == 0
     q, ctx = np.asarray(q), np.asarray(ctx)
     lens, starts, cu_kv = (np.asarray(x) for x in (plan.lens, plan.starts, plan.cu_seqlens_kv))
     C, B = plan.num_chunks, q.shape[0]
@@ -53,6 +77,15 @@ def test_no_context_at_all_means_no_chunks():
 def test_align_rounds_the_width_down():
     plan = _check_plan([1, 1, 1], [100, 37, 64], 100, align=16)
     assert plan.chunk_width == 32
+
+
+def test_the_width_counts_only_requests_with_context():
+    """Five requests, two with context: W = 40 // 2 = 20 (not 40 // 5), C = ceil(45 / 20) = 3;
+    aligned to 8: W = 16, C = 3."""
+    plan = _check_plan([1, 2, 3, 4, 5], [0, 45, 0, 7, 0], 40)
+    assert (plan.chunk_width, plan.num_chunks) == (20, 3)
+    plan = _check_plan([1, 2, 3, 4, 5], [0, 45, 0, 7, 0], 40, align=8)
+    assert (plan.chunk_width, plan.num_chunks) == (16, 3)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -142,8 +175,8 @@ def test_a_huge_context_is_refused_without_allocating(monkeypatch):
         monkeypatch.setattr(
             np, name, lambda *a, _real=real, _name=name, **k: calls.append((_name, a)) or _real(*a, **k)
         )
-    for ctx in ([10**12], [2**31 - 1]):
-        with pytest.raises(ValueError):
+    for ctx, needle in (([10**12], "context_lens: length 1000000000000"), ([2**31 - 1], "plan entries")):
+        with pytest.raises(ValueError, match=needle):
             zerokv.plan_context_chunks([1], ctx, 1)
     assert calls == []
 

@@ -84,7 +84,7 @@ def test_view_dispatches_torch_to_the_fast_path():
 
 def test_torch_fast_path_reads_tensors_dlpack_refuses():
     t = torch.ones(3, 4, requires_grad=True)
-    with pytest.raises((BufferError, RuntimeError)):
+    with pytest.raises((BufferError, RuntimeError), match="require gradient"):
         _tensors.dlpack_view(t)
     v = _tensors.view(t, "x")
     assert (v.ptr, v.shape, v.strides, v.dtype) == (t.data_ptr(), (3, 4), (4, 1), "float32")

@@ -11,9 +11,9 @@ from conftest import assert_close, f64
 from states import make_states
 
 import zerokv  # noqa: F401  (registers torch.ops.zerokv)
-from zerokv import reference
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+NAN = float("nan")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -65,14 +65,15 @@ def _fp8_outputs(T, H, D, group, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("group", "fmt"), [(32, "ue8m0"), (128, "float32")])
-def test_the_out_ops_write_per_group_fp8_as_the_reference(device, group, fmt):
+def test_the_out_ops_write_per_group_fp8_as_the_oracle(device, group, fmt):
     """merge_state_out / merge_states_out with out_block_scale: equal LSEs, so that the merged
-    rows are exact in float32 and the fp8 values and scales compare bit for bit."""
+    rows are exact in float32 and the fp8 values and scales compare bit for bit with the
+    oracles' merge and per-group rule."""
     T, H, D = 37, 4, 128
     v_a, s_a, v_b, _ = make_states(T, H, D, torch.bfloat16, device, seed=6, edges=False)
     s_b = s_a.clone()
-    ro, rl = reference.merge_state(f64(v_a), f64(s_a), f64(v_b), f64(s_b))
-    values, scales = reference.fp8_group_scales(ro, group, fmt == "ue8m0")
+    ro, rl = oracles.merge2(v_a, s_a, v_b, s_b)
+    values, scales = oracles.group_fp8(ro, group, fmt == "ue8m0")
     want = torch.from_numpy(values).float().to(torch.float8_e4m3fn).view(torch.uint8)
     ops = torch.ops.zerokv
     for call in ("two", "n"):
@@ -121,3 +122,61 @@ def test_the_out_ops_reject_a_bad_group_and_write_nothing():
         )  # fmt: skip
     after = out.view(torch.uint8), bs.view(torch.int32), lse.view(torch.int32)
     assert all(torch.equal(x, y) for x, y in zip(after, before, strict=True))
+
+
+def _op_call(op, device):
+    """``(run, want)``: one call of ``torch.ops.zerokv.<op>`` on states with every edge, and
+    what the oracles say it gives (float64)."""
+    T, H, D = 29, 3, 16
+    v_a, s_a, v_b, s_b = make_states(T, H, D, torch.float32, device, seed=11)
+    cu, kv = make_batch(6, 8, "random", seed=12)
+    T_b = int(cu[-1])
+    sinks = torch.randn(H, generator=torch.Generator().manual_seed(13)).to(device)
+    ops = torch.ops.zerokv
+    if op == "merge_state":  # base 2, a_empty, the suffix rule, sinks
+        cu_a = torch.tensor([0, 3, 10, 10, T], dtype=torch.int32)
+        kv_a = torch.tensor([0, 4, 0, 0], dtype=torch.int32)
+        rows = oracles.a_empty_rows(cu_a, kv_a, T)
+        want = oracles.merge2(v_a, s_a, v_b, s_b, base=2, sinks=sinks, a_empty=rows, prefix_rows=21)
+        return lambda: ops.merge_state(
+            v_a, s_a, v_b, s_b, "2", 21, cu_a.to(device), kv_a.to(device), sinks
+        ), want
+    if op == "merge_state_out":
+        out, out_lse = torch.full_like(v_a, NAN), torch.full_like(s_a, NAN)
+        ops_call = lambda: ops.merge_state_out(v_a, s_a, v_b, s_b, out, out_lse) or (out, out_lse)  # noqa: E731
+        return ops_call, oracles.merge2(v_a, s_a, v_b, s_b)
+    if op in ("merge_states", "merge_states_out"):
+        v, s = torch.stack([v_a, v_b, v_a.flip(0)]), torch.stack([s_a, s_b, s_b.flip(0)])
+        if op == "merge_states":
+            return lambda: ops.merge_states(v, s, "2", sinks), oracles.merge(v, s, base=2, sinks=sinks)
+        out, out_lse = torch.full_like(v_a, NAN), torch.full_like(s_a, NAN)
+        return lambda: ops.merge_states_out(v, s, out, out_lse) or (out, out_lse), oracles.merge(v, s)
+    out, lse = garbage_state(T_b, H, D, torch.float32, empty_rows(cu, kv), device, 14, lse_ht=True)
+    if op == "fixup_zero_kv_rows":
+        rows = oracles.fixup_rows(cu, kv, T_b)
+        run = lambda: ops.fixup_zero_kv_rows(out, lse, kv.to(device), cu.to(device)) or (out, lse)  # noqa: E731
+    else:
+        cu_kv = torch.cat([torch.zeros(1, dtype=kv.dtype), kv.cumsum(0).to(kv.dtype)])
+        rows = oracles.mask_rows(cu, cu_kv, T_b)
+        run = lambda: ops.mask_empty_context(out, lse, cu.to(device), cu_kv.to(device)) or (out, lse)  # noqa: E731
+    assert rows.any() and not rows.all()
+    return run, oracles.with_empty_rows(out, lse, rows)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "op",
+    [
+        "merge_state",
+        "merge_state_out",
+        "merge_states",
+        "merge_states_out",
+        "fixup_zero_kv_rows",
+        "mask_empty_context",
+    ],
+)
+def test_each_op_computes_what_the_oracles_say(device, op):
+    run, (want_out, want_lse) = _op_call(op, device)
+    out, lse = run()
+    assert_close(out, want_out, torch.float32, f"{op} out")
+    assert_close(lse, want_lse, torch.float32, f"{op} lse")
