@@ -125,8 +125,9 @@ def _import(path: Path) -> Any:
     ):
         raise ImportError(f"{path} runs another record format than this zerokv's")
     from .generic_tensors import writable_cheap
+    from .tensors import torch_tensor_type
 
-    module.bind(writable_cheap)
+    module.bind(writable_cheap, torch_tensor_type)
     return module
 
 

@@ -62,9 +62,9 @@ enum { A_ADD, A_SUB, A_MUL, A_OR, A_AND, A_EQ, A_LT, A_NE, A_MAX, A_GT, A_COUNT 
 #define MAX_RECORDS 256
 #define MAX_KEY (RECORD - 3)
 #define MAX_SLOTS 64
-#define MAX_PARAMS 128
+#define MAX_PARAMS 64 /* kernel parameters (zerokv's kernels have up to 40) */
 #define MAX_PARAM_BYTES 4096
-#define FORMS_KEPT 16 /* forms remembered per bound call (engines meet a handful) */
+#define FORMS_KEPT 8 /* forms remembered per bound call (engines meet a handful) */
 
 /* ---- DLPack 1.x, as the specification lays it out ------------------------------------------ */
 
@@ -162,6 +162,8 @@ static PyObject *recorder;         /* fn(entry, grid, grid_y, params) or NULL */
 static int counting;               /* launches counted, never made (set_recorder(None, False)) */
 static long long launch_count;     /* launches since the last set_recorder */
 static PyObject *writable_cheap;   /* generic_tensors.writable_cheap (bind()) */
+static PyObject *torch_type_of;   /* tensors.torch_tensor_type (bind()): torch's tensor type */
+static PyObject *inference_mode;   /* torch.is_inference_mode_enabled, once a signature needs it */
 static PyObject *unreadable;       /* the exceptions that make a call "not taken" */
 static PyObject *s_requires_grad, *s_is_inference, *s_c_state, *s_table, *s_torch_type,
     *s_device, *s_result, *s_allocators, *s_entry, *s_launcher, *s_expr;
@@ -184,8 +186,10 @@ typedef struct {
     int64_t rest[MAX_KEY];
     void *handle, *context;
     int64_t block, grid, per_token, run_tail, run_spans, cap;
-    int32_t npack, nbytes;
-    Pack pack[MAX_PARAMS];
+    int32_t npack, nbytes, nreg;
+    Pack pack[MAX_PARAMS];         /* every parameter, in the kernel's order */
+    Pack reg[MAX_PARAMS];          /* those read from registers at each launch */
+    unsigned char *packed;         /* the parameter buffer with the constants written (owned) */
     uint64_t const_bits[NREG - CONST_BASE];
     int32_t nconst;
 } Form;
@@ -196,6 +200,8 @@ typedef struct {
     int8_t tensor_of[MAX_RECORDS]; /* a TENSOR record's block */
     PyTypeObject *type;            /* the signature's tensor type (owned) */
     const DLPackExchangeAPI *api;
+    PyObject *requires_grad, *is_inference; /* its descriptors (owned), or NULL */
+    int torch_rule;                /* torch's tensor type: writability decided here */
     int64_t device;
     int nresult;
     int result[MAX_SLOTS];
@@ -203,21 +209,28 @@ typedef struct {
     Form forms[FORMS_KEPT];
 } State;
 
-static void state_free(PyObject *capsule)
+static void state_release(State *st)
 {
-    State *st = (State *)PyCapsule_GetPointer(capsule, STATE_CAPSULE);
-    if (st == NULL) {
-        PyErr_Clear();
-        return;
-    }
     for (int i = 0; i < FORMS_KEPT; i++)
-        Py_XDECREF(st->forms[i].entry), Py_XDECREF(st->forms[i].consts);
+        Py_XDECREF(st->forms[i].entry), Py_XDECREF(st->forms[i].consts), PyMem_Free(st->forms[i].packed);
     Py_XDECREF(st->type);
+    Py_XDECREF(st->requires_grad);
+    Py_XDECREF(st->is_inference);
     PyMem_Free(st->rec);
     PyMem_Free(st);
 }
 
-static int reg_ok(int64_t i) { return i >= 0 && i < NREG; }
+static void state_free(PyObject *capsule)
+{
+    State *st = (State *)PyCapsule_GetPointer(capsule, STATE_CAPSULE);
+    if (st == NULL)
+        PyErr_Clear();
+    else
+        state_release(st);
+}
+
+/* A register a record may name: the constants' registers are written at launch only. */
+static int reg_ok(int64_t i) { return i >= 0 && i < CONST_BASE; }
 
 /* A record the executor can run without reading outside its registers, tensor blocks or slots;
  * anything else makes the whole table one this executor never takes. */
@@ -229,7 +242,7 @@ static int record_ok(const int64_t *r, int *k)
             r[7] < 1 || r[12] < 1)
             return 0;
         for (int i = 0; i < r[2]; i++)
-            if (r[8 + i] >= NREG)
+            if (r[8 + i] >= CONST_BASE)
                 return 0;
         (*k)++;
         return 1;
@@ -246,7 +259,7 @@ static int record_ok(const int64_t *r, int *k)
     case OP_APART:
         return r[1] >= 0 && r[1] < N_TENSORS;
     case OP_ARITH:
-        return reg_ok(r[1]) && r[2] >= 0 && r[2] < A_COUNT && reg_ok(r[3]) && r[4] < NREG;
+        return reg_ok(r[1]) && r[2] >= 0 && r[2] < A_COUNT && reg_ok(r[3]) && r[4] < CONST_BASE;
     case OP_DISTINCT:
         return r[1] >= 0 && r[1] < N_TENSORS && r[2] < 4;
     case OP_ALLOC:
@@ -269,35 +282,47 @@ static int record_ok(const int64_t *r, int *k)
     }
 }
 
-/* The exchange API of a tensor type (its __dlpack_c_exchange_api__ capsule), cached per type;
- * NULL when the type publishes none that this executor can use. */
-static const DLPackExchangeAPI *exchange_api(PyTypeObject *type)
+/* What the executor reads of a tensor type, once per type: its exchange API (its
+ * __dlpack_c_exchange_api__ capsule; NULL: none this executor can use) and the descriptors of
+ * requires_grad and is_inference, called without an attribute lookup (NULL: looked up by name). */
+typedef struct {
+    PyTypeObject *type;
+    const DLPackExchangeAPI *api;
+    PyObject *requires_grad, *is_inference;
+} TypeInfo;
+
+static const TypeInfo *type_info(PyTypeObject *type)
 {
-    static PyTypeObject *seen_type[8];
-    static const DLPackExchangeAPI *seen_api[8];
+    static TypeInfo seen[8];
     for (int i = 0; i < 8; i++)
-        if (seen_type[i] == type)
-            return seen_api[i];
+        if (seen[i].type == type)
+            return &seen[i];
+    TypeInfo t = {type, NULL, NULL, NULL};
     PyObject *capsule = PyObject_GetAttrString((PyObject *)type, "__dlpack_c_exchange_api__");
-    if (capsule == NULL) {
-        PyErr_Clear();
-        return NULL;
-    }
-    const DLPackExchangeAPI *api = NULL;
-    if (PyCapsule_IsValid(capsule, "dlpack_exchange_api"))
-        api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
-    Py_DECREF(capsule);
-    if (api != NULL && (api->header.version.major != 1 || api->dltensor_from_py_object_no_sync == NULL ||
-                        api->current_work_stream == NULL))
-        api = NULL;
+    if (capsule != NULL && PyCapsule_IsValid(capsule, "dlpack_exchange_api"))
+        t.api = (const DLPackExchangeAPI *)PyCapsule_GetPointer(capsule, "dlpack_exchange_api");
+    Py_XDECREF(capsule);
+    PyErr_Clear();
+    if (t.api != NULL && (t.api->header.version.major != 1 || t.api->dltensor_from_py_object_no_sync == NULL ||
+                          t.api->current_work_stream == NULL))
+        t.api = NULL;
+    PyObject *d = _PyType_Lookup(type, s_requires_grad); /* borrowed */
+    if (d != NULL && Py_IS_TYPE(d, &PyGetSetDescr_Type))
+        t.requires_grad = Py_NewRef(d);
+    d = _PyType_Lookup(type, s_is_inference);
+    if (d != NULL && Py_IS_TYPE(d, &PyMethodDescr_Type))
+        t.is_inference = Py_NewRef(d);
     for (int i = 0; i < 8; i++)
-        if (seen_type[i] == NULL) {
+        if (seen[i].type == NULL) {
             Py_INCREF(type); /* a tensor type lives as long as the process */
-            seen_type[i] = type;
-            seen_api[i] = api;
-            break;
+            seen[i] = t;
+            return &seen[i];
         }
-    return api;
+    Py_XDECREF(t.requires_grad); /* more types than kept: looked up again next time */
+    Py_XDECREF(t.is_inference);
+    static TypeInfo spare;
+    spare = (TypeInfo){type, t.api, NULL, NULL};
+    return &spare;
 }
 
 static int64_t as_i64(PyObject *v, int *bad)
@@ -336,8 +361,8 @@ static PyObject *state_of(PyObject *bc)
     Py_ssize_t nrec = nbytes / (RECORD * 8);
     if (nbytes % (RECORD * 8) || nrec < 1 || nrec > MAX_RECORDS || PyTuple_GET_SIZE(result) > MAX_SLOTS)
         goto not_runnable;
-    const DLPackExchangeAPI *api = exchange_api((PyTypeObject *)type);
-    if (api == NULL)
+    const TypeInfo *info = type_info((PyTypeObject *)type);
+    if (info->api == NULL)
         goto not_runnable;
     st = (State *)PyMem_Calloc(1, sizeof(State));
     if (st == NULL)
@@ -370,9 +395,22 @@ static PyObject *state_of(PyObject *bc)
     }
     if (bad)
         goto not_runnable;
-    st->api = api;
+    st->api = info->api;
+    st->requires_grad = Py_XNewRef(info->requires_grad);
+    st->is_inference = Py_XNewRef(info->is_inference);
     st->type = (PyTypeObject *)type;
     type = NULL;
+    if (torch_type_of != NULL) { /* torch's own tensors: their writability rule is made here */
+        PyObject *tt = PyObject_CallNoArgs(torch_type_of);
+        if (tt == (PyObject *)st->type && inference_mode == NULL) {
+            PyObject *torch = PyImport_ImportModule("torch");
+            inference_mode = torch ? PyObject_GetAttrString(torch, "is_inference_mode_enabled") : NULL;
+            Py_XDECREF(torch);
+        }
+        st->torch_rule = tt == (PyObject *)st->type && inference_mode != NULL;
+        Py_XDECREF(tt);
+        PyErr_Clear();
+    }
     capsule = PyCapsule_New(st, STATE_CAPSULE, state_free);
     if (capsule == NULL)
         goto fail;
@@ -387,11 +425,8 @@ static PyObject *state_of(PyObject *bc)
 not_runnable:
     PyErr_Clear();
 fail:
-    if (st != NULL) {
-        Py_XDECREF(st->type);
-        PyMem_Free(st->rec);
-        PyMem_Free(st);
-    }
+    if (st != NULL)
+        state_release(st);
     Py_XDECREF(table);
     Py_XDECREF(type);
     Py_XDECREF(device);
@@ -404,9 +439,12 @@ fail:
 typedef struct {
     PyObject *const *objs;
     Py_ssize_t nobjs;
-    PyObject *made[MAX_SLOTS]; /* allocated outputs (owned) */
     int any_made;
+    int inference_mode; /* torch.is_inference_mode_enabled(), once asked (-1: not yet) */
+    PyObject *made[MAX_SLOTS]; /* allocated outputs (owned), zeroed at the first */
 } Call;
+
+static PyObject *made_at(const Call *c, int slot) { return c->any_made ? c->made[slot] : NULL; }
 
 /* An exception raised by Python code the table called: the ones that mean "not taken" are
  * cleared (0), any other stays set (-1). */
@@ -419,43 +457,84 @@ static int not_taken_or_raise(void)
     return -1;
 }
 
+/* x mod m for x >= 0, m >= 1 (alignments are powers of two: no division). */
+static uint64_t mod_pos(uint64_t x, uint64_t m) { return (m & (m - 1)) == 0 ? x & (m - 1) : x % m; }
+
 /* Python's floor division (the grid's arithmetic), for b > 0. */
 static int64_t floordiv(int64_t a, int64_t b)
 {
+    if (a >= 0 && (b & (b - 1)) == 0) /* blocks are powers of two */
+        return (int64_t)((uint64_t)a >> __builtin_ctzll((uint64_t)b));
     int64_t q = a / b;
     return (a % b != 0 && a < 0) ? q - 1 : q;
 }
 
 static int fits(__int128 v) { return v >= INT64_MIN && v <= INT64_MAX; }
 
-/* 1: writable, 0: not, -1: an exception raised. An output that requires grad or is an inference
- * tensor is asked of writable_cheap, as the Python executor does. */
-static int writable(PyObject *x)
+/* A flag of tensor x through its type's descriptor (no attribute lookup): the requires_grad
+ * getter, or the is_inference method; by name when the type has no such descriptor. 1, 0, or -1
+ * with an exception. */
+static int flag_of(PyObject *x, PyObject *descr, PyObject *name, int method)
 {
-    PyObject *v = PyObject_GetAttr(x, s_requires_grad);
+    PyObject *v;
+    if (descr == NULL)
+        v = method ? PyObject_CallMethodNoArgs(x, name) : PyObject_GetAttr(x, name);
+    else if (method)
+        v = ((PyMethodDescrObject *)descr)->d_method->ml_flags == METH_NOARGS
+                ? ((PyMethodDescrObject *)descr)->d_method->ml_meth(x, NULL)
+                : PyObject_Vectorcall(descr, &x, 1, NULL);
+    else
+        v = ((PyGetSetDescrObject *)descr)->d_getset->get(x, ((PyGetSetDescrObject *)descr)->d_getset->closure);
     if (v == NULL)
         return -1;
-    int flag = PyObject_IsTrue(v);
+    int flag = v == Py_True ? 1 : v == Py_False ? 0 : PyObject_IsTrue(v);
     Py_DECREF(v);
-    if (flag == 0) {
-        v = PyObject_CallMethodNoArgs(x, s_is_inference);
+    return flag;
+}
+
+/* Whether an output may be written, as the Python executor decides (pyexec._writable): a tensor
+ * that needs no grad and is no inference tensor, or one that generic_tensors.writable_cheap lets
+ * through (for torch's tensor type, decided here the same way: needs no grad, and no inference
+ * tensor outside inference mode). *mode caches torch.is_inference_mode_enabled() for the call
+ * (-1: not asked yet). 1, 0, or -1 with an exception. */
+static int writable(const State *st, PyObject *x, int *mode)
+{
+    int rg = flag_of(x, st->requires_grad, s_requires_grad, 0);
+    if (rg != 0)
+        return rg < 0 ? -1 : st->torch_rule ? 0 : -2;
+    int inf = flag_of(x, st->is_inference, s_is_inference, 1);
+    if (inf <= 0)
+        return inf < 0 ? -1 : 1;
+    if (!st->torch_rule)
+        return -2; /* writable_cheap decides */
+    if (*mode < 0) {
+        PyObject *v = PyObject_CallNoArgs(inference_mode);
         if (v == NULL)
             return -1;
-        flag = PyObject_IsTrue(v);
+        *mode = PyObject_IsTrue(v);
         Py_DECREF(v);
+        if (*mode < 0)
+            return -1;
     }
-    if (flag <= 0)
-        return flag < 0 ? -1 : 1;
+    return *mode;
+}
+
+/* writable(), with writable_cheap asked where it must decide. */
+static int output_ok(const State *st, PyObject *x, int *mode)
+{
+    int w = writable(st, x, mode);
+    if (w != -2)
+        return w;
     if (writable_cheap == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "zerokv: the compiled executor was loaded without bind()");
         return -1;
     }
-    v = PyObject_CallOneArg(writable_cheap, x);
+    PyObject *v = PyObject_CallOneArg(writable_cheap, x);
     if (v == NULL)
         return -1;
-    flag = PyObject_IsTrue(v);
+    w = PyObject_IsTrue(v);
     Py_DECREF(v);
-    return flag;
+    return w;
 }
 
 /* OP_TENSOR: 1 read, 0 not taken, -1 an exception. */
@@ -527,10 +606,10 @@ static int read_tensor(const State *st, const int64_t *rec, int k, Call *c, int6
         r[R_WIDEST] = (int64_t)span;
     if (flags & F_ALIGN) {
         int64_t o = outer | ((flags & F_INNER_IN_ALIGN) ? n[last] : 0);
-        r[R_MISALIGN] |= (int64_t)((uint64_t)p % (uint64_t)rec[7]) | o % rec[12];
+        r[R_MISALIGN] |= (int64_t)(mod_pos((uint64_t)p, (uint64_t)rec[7]) | mod_pos((uint64_t)o, (uint64_t)rec[12]));
     }
     if (flags & F_OUTPUT) {
-        int w = writable(x);
+        int w = output_ok(st, x, &c->inference_mode);
         if (w < 0)
             return not_taken_or_raise() < 0 ? -1 : 0;
         if (w == 0)
@@ -630,8 +709,11 @@ static int allocate(PyObject *bc, const int64_t *rec, Call *c, int64_t *r)
     PyObject *x = PyTuple_GET_ITEM(got, 0);
     Py_INCREF(x);
     Py_DECREF(got);
+    if (!c->any_made) {
+        memset(c->made, 0, sizeof(c->made));
+        c->any_made = 1;
+    }
     Py_XSETREF(c->made[rec[1]], x);
-    c->any_made = 1;
     r[base + T_PTR] = p;
     __int128 stride = 1;
     for (int i = rank - 1; i >= 0; i--) {
@@ -651,14 +733,14 @@ static PyObject *result_of(const State *st, Call *c)
     if (st->nresult == 0)
         Py_RETURN_TRUE;
     for (int i = 0; i < st->nresult; i++)
-        if (c->made[st->result[i]] == NULL && st->result[i] >= c->nobjs)
+        if (made_at(c, st->result[i]) == NULL && st->result[i] >= c->nobjs)
             Py_RETURN_NONE; /* a result slot the call did not pass: the full path names it */
     PyObject *t = PyTuple_New(st->nresult);
     if (t == NULL)
         return NULL;
     for (int i = 0; i < st->nresult; i++) {
         int s = st->result[i];
-        PyObject *v = c->made[s] != NULL ? c->made[s] : c->objs[s];
+        PyObject *v = made_at(c, s) != NULL ? c->made[s] : c->objs[s];
         Py_INCREF(v);
         PyTuple_SET_ITEM(t, i, v);
     }
@@ -734,6 +816,17 @@ static int read_form(PyObject *e, Form *f)
     Py_DECREF(pack);
     if (PyErr_Occurred())
         PyErr_Clear();
+    f->packed = ok ? PyMem_Calloc(1, (size_t)f->nbytes + 1) : NULL;
+    ok = ok && f->packed != NULL;
+    f->nreg = 0;
+    for (int i = 0; ok && i < f->npack; i++) { /* constants once; the registers' list */
+        const Pack *p = &f->pack[i];
+        if (p->src < CONST_BASE)
+            f->reg[f->nreg++] = *p;
+        else
+            for (int j = 0; j < p->size; j++) /* little-endian, as the kernels read them */
+                f->packed[p->offset + j] = (unsigned char)(f->const_bits[p->src - CONST_BASE] >> (8 * j));
+    }
     if (ok && f->handle == NULL) { /* no loaded function: launches go through its Python launcher */
         f->consts = PyObject_GetAttr(e, s_consts);
         ok = f->consts != NULL && PyTuple_Check(f->consts) && PyTuple_GET_SIZE(f->consts) == f->nconst;
@@ -776,6 +869,8 @@ static Form *form_of(PyObject *bc, State *st, int64_t T, const int64_t *rest, in
     st->next_form = (st->next_form + 1) % FORMS_KEPT;
     Py_CLEAR(f->entry);
     Py_CLEAR(f->consts);
+    PyMem_Free(f->packed);
+    f->packed = NULL;
     int got = read_form(e, f);
     if (got <= 0) {
         Py_DECREF(e);
@@ -842,9 +937,9 @@ static int launch(PyObject *bc, const State *st, Form *f, int64_t *r, int64_t T)
     int64_t grid, grid_y;
     if (f->per_token) {
         __int128 work = (__int128)T * f->per_token;
-        if (!fits(work))
-            work = INT64_MAX;
-        grid = -floordiv(-(int64_t)work, f->block);
+        if (!fits(work + f->block))
+            work = INT64_MAX - f->block;
+        grid = work >= 0 ? floordiv((int64_t)work + f->block - 1, f->block) : -floordiv(-(int64_t)work, f->block);
         if (f->cap)
             grid = grid < f->cap ? grid : f->cap;
         else if (f->run_tail) {
@@ -856,21 +951,27 @@ static int launch(PyObject *bc, const State *st, Form *f, int64_t *r, int64_t T)
         grid = f->grid, grid_y = T;
     }
     unsigned char buf[MAX_PARAM_BYTES];
-    memset(buf, 0, (size_t)f->nbytes);
-    for (int i = 0; i < f->npack; i++) {
-        const Pack *p = &f->pack[i];
+    memcpy(buf, f->packed, (size_t)f->nbytes);
+    for (int i = 0; i < f->nreg; i++) {
+        const Pack *p = &f->reg[i];
         uint64_t v;
-        if (p->src >= CONST_BASE)
-            v = f->const_bits[p->src - CONST_BASE];
-        else if (p->f32) {
+        if (p->f32) {
             float x = (float)(double)r[p->src];
             uint32_t u;
             memcpy(&u, &x, 4);
             v = u;
         } else
             v = (uint64_t)r[p->src];
-        for (int j = 0; j < p->size; j++) /* little-endian, as the kernels read them */
-            buf[p->offset + j] = (unsigned char)(v >> (8 * j));
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+        if (p->size == 8)
+            memcpy(buf + p->offset, &v, 8);
+        else if (p->size == 4) {
+            uint32_t u = (uint32_t)v;
+            memcpy(buf + p->offset, &u, 4);
+        } else
+#endif
+            for (int j = 0; j < p->size; j++) /* little-endian, as the kernels read them */
+                buf[p->offset + j] = (unsigned char)(v >> (8 * j));
     }
     if (recorder != NULL || counting) {
         launch_count++;
@@ -929,83 +1030,88 @@ static int launch(PyObject *bc, const State *st, Form *f, int64_t *r, int64_t T)
 }
 
 /* The table on one call: result, None (not taken) or NULL (raised). */
+/* The next record, or the call's end: each handler jumps straight to the next record's (one
+ * jump per handler, whose targets the branch predictor learns for a table's sequence). */
+#define NEXT(status)                                                                                \
+    do {                                                                                            \
+        if ((got = (status)) <= 0)                                                                  \
+            return got < 0 ? NULL : Py_NewRef(Py_None);                                             \
+        rec = st->rec[++i]; /* a table ends with its key, which returns */                          \
+        goto *handler[rec[0]];                                                                      \
+    } while (0)
+
 static PyObject *execute(PyObject *bc, State *st, Call *c, PyObject *scalars)
 {
-    int64_t r[NREG];
+    static void *const handler[] = {
+        [OP_TENSOR] = &&tensor, [OP_ABSENT] = &&absent, [OP_SCALAR] = &&scalar, [OP_EQ] = &&eq,
+        [OP_RANGE] = &&range, [OP_CHECK] = &&check, [OP_APART] = &&apart, [OP_ARITH] = &&arith,
+        [OP_DONE_IF_ZERO] = &&done_if_zero, [OP_KEY] = &&key, [OP_DISTINCT] = &&distinct,
+        [OP_ALLOC] = &&alloc,
+    };
+    int64_t r[CONST_BASE]; /* the records' registers (the constants are read from the form) */
     memset(r, 0, sizeof(r));
     r[R_ONE] = 1;
-    for (int i = 0; i < st->nrec; i++) {
-        const int64_t *rec = st->rec[i];
-        int got = 1;
-        switch (rec[0]) {
-        case OP_TENSOR:
-            got = read_tensor(st, rec, st->tensor_of[i], c, r);
-            break;
-        case OP_ABSENT:
-            for (int j = 0; j < 64 && j < c->nobjs; j++)
-                if ((uint64_t)rec[1] >> j & 1 && c->objs[j] != Py_None)
-                    got = 0;
-            break;
-        case OP_EQ:
-            got = r[rec[1]] == r[rec[2]];
-            break;
-        case OP_RANGE:
-            got = rec[2] <= r[rec[1]] && r[rec[1]] < rec[3];
-            break;
-        case OP_CHECK:
-            got = (r[rec[1]] != 0) == (rec[2] != 0);
-            break;
-        case OP_ARITH:
-            got = arith(rec, r);
-            break;
-        case OP_APART:
-            got = apart(r, rec[1], rec[2], rec[3]);
-            break;
-        case OP_DISTINCT: {
-            int a = TENSOR_BASE + (int)rec[1] * TENSOR_REGS;
-            int64_t inner = rec[2] >= 0 ? r[a + 1 + rec[2]] : 1;
-            got = distinct(r[a + 1], r[a + T_STRIDE], r[a + 2], r[a + T_STRIDE + 1], inner);
-            break;
-        }
-        case OP_SCALAR: {
-            if (rec[1] >= PyTuple_GET_SIZE(scalars))
-                return Py_NewRef(Py_None);
-            PyObject *v = PyTuple_GET_ITEM(scalars, rec[1]);
-            int overflow = 0;
-            long long x = PyLong_CheckExact(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : 0;
-            got = PyLong_CheckExact(v) && !overflow && r[rec[3]] <= x && x <= r[rec[4]];
-            if (got)
-                r[rec[2]] = x;
-            break;
-        }
-        case OP_ALLOC:
-            got = allocate(bc, rec, c, r);
-            break;
-        case OP_DONE_IF_ZERO:
-            if (r[rec[1]] == 0)
-                return result_of(st, c);
-            break;
-        case OP_KEY: {
-            int64_t rest[MAX_KEY];
-            for (int j = 0; j < rec[2]; j++)
-                rest[j] = r[rec[3 + j]];
-            int64_t T = r[rec[1]];
-            Form *f = form_of(bc, st, T, rest, (int)rec[2]);
-            if (f == NULL)
-                return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-            for (int j = 0; j < st->nresult; j++) /* check the result can be made before launching */
-                if (c->made[st->result[j]] == NULL && st->result[j] >= c->nobjs)
-                    return Py_NewRef(Py_None);
-            if (launch(bc, st, f, r, T) < 0)
-                return NULL;
-            return result_of(st, c);
-        }
-        }
-        if (got <= 0)
-            return got < 0 ? NULL : Py_NewRef(Py_None);
-    }
-    return Py_NewRef(Py_None); /* unreachable: a table ends with its key */
+    int i = 0, got;
+    const int64_t *rec = st->rec[0];
+    goto *handler[rec[0]];
+
+tensor:
+    NEXT(read_tensor(st, rec, st->tensor_of[i], c, r));
+absent:
+    got = 1;
+    for (int j = 0; j < 64 && j < c->nobjs; j++)
+        if ((uint64_t)rec[1] >> j & 1 && c->objs[j] != Py_None)
+            got = 0;
+    NEXT(got);
+eq:
+    NEXT(r[rec[1]] == r[rec[2]]);
+range:
+    NEXT(rec[2] <= r[rec[1]] && r[rec[1]] < rec[3]);
+check:
+    NEXT((r[rec[1]] != 0) == (rec[2] != 0));
+arith:
+    NEXT(arith(rec, r));
+apart:
+    NEXT(apart(r, rec[1], rec[2], rec[3]));
+distinct: {
+    int a = TENSOR_BASE + (int)rec[1] * TENSOR_REGS;
+    int64_t inner = rec[2] >= 0 ? r[a + 1 + rec[2]] : 1;
+    NEXT(distinct(r[a + 1], r[a + T_STRIDE], r[a + 2], r[a + T_STRIDE + 1], inner));
 }
+scalar: {
+    if (rec[1] >= PyTuple_GET_SIZE(scalars))
+        return Py_NewRef(Py_None);
+    PyObject *v = PyTuple_GET_ITEM(scalars, rec[1]);
+    int overflow = 0;
+    long long x = PyLong_CheckExact(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : 0;
+    got = PyLong_CheckExact(v) && !overflow && r[rec[3]] <= x && x <= r[rec[4]];
+    if (got)
+        r[rec[2]] = x;
+    NEXT(got);
+}
+alloc:
+    NEXT(allocate(bc, rec, c, r));
+done_if_zero:
+    if (r[rec[1]] == 0)
+        return result_of(st, c);
+    NEXT(1);
+key: {
+    int64_t rest[MAX_KEY];
+    for (int j = 0; j < rec[2]; j++)
+        rest[j] = r[rec[3 + j]];
+    int64_t T = r[rec[1]];
+    Form *f = form_of(bc, st, T, rest, (int)rec[2]);
+    if (f == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    for (int j = 0; j < st->nresult; j++) /* check the result can be made before launching */
+        if (made_at(c, st->result[j]) == NULL && st->result[j] >= c->nobjs)
+            return Py_NewRef(Py_None);
+    if (launch(bc, st, f, r, T) < 0)
+        return NULL;
+    return result_of(st, c);
+}
+}
+#undef NEXT
 
 static PyObject *run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1024,7 +1130,7 @@ static PyObject *run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     c.objs = &PyTuple_GET_ITEM(objs, 0);
     c.nobjs = PyTuple_GET_SIZE(objs);
     c.any_made = 0;
-    memset(c.made, 0, sizeof(c.made));
+    c.inference_mode = -1;
     Py_INCREF(objs); /* the items stay alive while Python code the table calls runs */
     Py_INCREF(scalars);
     PyObject *got = execute(bc, st, &c, scalars);
@@ -1066,11 +1172,12 @@ static PyObject *launches(PyObject *module, PyObject *unused)
 
 static PyObject *bind(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 1 || !PyCallable_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "bind(writable_cheap) takes one callable");
+    if (nargs != 2 || !PyCallable_Check(args[0]) || !PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "bind(writable_cheap, torch_tensor_type) takes two callables");
         return NULL;
     }
     Py_XSETREF(writable_cheap, Py_NewRef(args[0]));
+    Py_XSETREF(torch_type_of, Py_NewRef(args[1]));
     Py_RETURN_NONE;
 }
 
@@ -1083,7 +1190,8 @@ static PyMethodDef methods[] = {
      "only counted (keep=False), or reach the driver (fn=None, keep=True); the count restarts."},
     {"launches", launches, METH_NOARGS, "launches(): launches since the last set_recorder."},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
-     "bind(writable_cheap): the test of an output that requires grad or is an inference tensor."},
+     "bind(writable_cheap, torch_tensor_type): how an output that requires grad or is an inference "
+     "tensor is judged (generic_tensors.writable_cheap; for torch's tensor type, its rule made here)."},
     {NULL, NULL, 0, NULL},
 };
 
