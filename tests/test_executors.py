@@ -253,7 +253,18 @@ def random_call(seed: int):
     rng = random.Random(seed)
     m = Maker(rng)
     maker = rng.choices((merge_state_call, merge_states_call, rows_call), (6, 2, 2))[0]
-    return maker(m), m.made
+    call = maker(m)
+    if rng.random() < 0.15:  # an engine's step: inference tensors are writable outputs there
+        return _in_inference_mode(call), m.made
+    return call, m.made
+
+
+def _in_inference_mode(call):
+    def inside():
+        with torch.inference_mode():
+            return call()
+
+    return inside
 
 
 # --- both executors on every bound call ------------------------------------------------------
