@@ -202,6 +202,7 @@ typedef struct {
     const DLPackExchangeAPI *api;
     PyObject *requires_grad, *is_inference; /* its descriptors (owned), or NULL */
     int torch_rule;                /* torch's tensor type: writability decided here */
+    int mode_first;                /* the last call found inference mode on: ask it first */
     int64_t device;
     int nresult;
     int result[MAX_SLOTS];
@@ -492,35 +493,48 @@ static int flag_of(PyObject *x, PyObject *descr, PyObject *name, int method)
     return flag;
 }
 
-/* Whether an output may be written, as the Python executor decides (pyexec._writable): a tensor
- * that needs no grad and is no inference tensor, or one that generic_tensors.writable_cheap lets
- * through (for torch's tensor type, decided here the same way: needs no grad, and no inference
- * tensor outside inference mode). *mode caches torch.is_inference_mode_enabled() for the call
- * (-1: not asked yet). 1, 0, or -1 with an exception. */
-static int writable(const State *st, PyObject *x, int *mode)
+/* torch.is_inference_mode_enabled(), asked once per call (*mode: -1 until asked); the state
+ * remembers the answer so that the next call asks it first (an engine's steps all run in
+ * inference mode, where an output's is_inference need not be asked). 1, 0, or -1. */
+static int inference_mode_of(State *st, int *mode)
 {
-    int rg = flag_of(x, st->requires_grad, s_requires_grad, 0);
-    if (rg != 0)
-        return rg < 0 ? -1 : st->torch_rule ? 0 : -2;
-    int inf = flag_of(x, st->is_inference, s_is_inference, 1);
-    if (inf <= 0)
-        return inf < 0 ? -1 : 1;
-    if (!st->torch_rule)
-        return -2; /* writable_cheap decides */
     if (*mode < 0) {
         PyObject *v = PyObject_CallNoArgs(inference_mode);
         if (v == NULL)
             return -1;
         *mode = PyObject_IsTrue(v);
         Py_DECREF(v);
-        if (*mode < 0)
-            return -1;
+        if (*mode >= 0)
+            st->mode_first = *mode;
     }
     return *mode;
 }
 
+/* Whether an output may be written, as the Python executor decides (pyexec._writable): a tensor
+ * that needs no grad and is no inference tensor, or one that generic_tensors.writable_cheap lets
+ * through (for torch's tensor type, decided here the same way: it needs no grad, and is no
+ * inference tensor unless inference mode is on). 1, 0, -1 with an exception, or -2: ask
+ * writable_cheap. */
+static int writable(State *st, PyObject *x, int *mode)
+{
+    int rg = flag_of(x, st->requires_grad, s_requires_grad, 0);
+    if (rg != 0)
+        return rg < 0 ? -1 : st->torch_rule ? 0 : -2;
+    if (st->torch_rule && st->mode_first) {
+        int m = inference_mode_of(st, mode);
+        if (m != 0)
+            return m;
+    }
+    int inf = flag_of(x, st->is_inference, s_is_inference, 1);
+    if (inf <= 0)
+        return inf < 0 ? -1 : 1;
+    if (!st->torch_rule)
+        return -2;
+    return inference_mode_of(st, mode);
+}
+
 /* writable(), with writable_cheap asked where it must decide. */
-static int output_ok(const State *st, PyObject *x, int *mode)
+static int output_ok(State *st, PyObject *x, int *mode)
 {
     int w = writable(st, x, mode);
     if (w != -2)
@@ -538,7 +552,7 @@ static int output_ok(const State *st, PyObject *x, int *mode)
 }
 
 /* OP_TENSOR: 1 read, 0 not taken, -1 an exception. */
-static int read_tensor(const State *st, const int64_t *rec, int k, Call *c, int64_t *r)
+static int read_tensor(State *st, const int64_t *rec, int k, Call *c, int64_t *r)
 {
     int64_t slot = rec[1], rank = rec[2], flags = rec[3];
     if (slot >= c->nobjs)
