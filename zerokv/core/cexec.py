@@ -117,7 +117,7 @@ def _import(path: Path) -> Any:
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     fmt = getattr(module, "FORMAT", None)
-    want = {k: getattr(_bound, k) for k in fmt} if isinstance(fmt, dict) else None
+    want = {k: getattr(_bound, k, None) for k in fmt} if isinstance(fmt, dict) else None
     if (
         want is None
         or fmt != want

@@ -68,7 +68,7 @@ enum { A_ADD, A_SUB, A_MUL, A_OR, A_AND, A_EQ, A_LT, A_NE, A_MAX, A_GT, A_COUNT 
 
 /* ---- DLPack 1.x, as the specification lays it out ------------------------------------------ */
 
-enum { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3 };
+enum { kDLCPU = 1, kDLCUDA = 2, kDLCUDAHost = 3, kDLROCM = 10 };
 
 typedef struct {
     uint32_t major;
@@ -565,7 +565,7 @@ static int read_tensor(State *st, const int64_t *rec, int k, Call *c, int64_t *r
         PyErr_Clear(); /* a tensor DLPack cannot describe (sparse, meta, ...) */
         return 0;
     }
-    int64_t dev = t.device.device_type == kDLCUDA ? t.device.device_id
+    int64_t dev = (t.device.device_type == kDLCUDA || t.device.device_type == kDLROCM) ? t.device.device_id
                   : (t.device.device_type == kDLCPU || t.device.device_type == kDLCUDAHost) ? -1
                                                                                             : INT64_MIN;
     int64_t code = t.dtype.code | (int64_t)t.dtype.bits << 8 | (int64_t)t.dtype.lanes << 16;
