@@ -470,3 +470,32 @@ def test_compile_out_with_a_selection(tmp_path, cache_dir, capsys):
     assert rules == {str(_kernels.RULE_CONTEXT_SPAN_EMPTY)}
     assert all(e.startswith(f"{_kernels.EMPTY_ROWS.name}<zk_half,") for e in meta["expressions"]), meta
     assert sorted(p.name for p in out.iterdir()) == ["empty_rows-sm_80.cubin", "empty_rows-sm_80.json"]
+
+
+def test_compile_out_builds_the_launcher_an_image_without_a_compiler_loads(tmp_path, capsys):
+    """``compile --out`` puts the compiled executor beside the kernels; a process with that
+    directory, no C compiler (``CC`` a failing program) and an empty cache runs on it."""
+    out = tmp_path / "image"
+    args = [
+        "compile",
+        "--arch",
+        "sm_90",
+        "--ops",
+        "fixup_zero_kv_rows",
+        "--dtypes",
+        "bfloat16",
+        "--out",
+        str(out),
+    ]
+    assert main(args) == 0
+    assert "launcher: launcher-" in capsys.readouterr().out
+    env = dict(os.environ, ZEROKV_KERNEL_DIR=str(out), CC="false", ZEROKV_CACHE_DIR=str(tmp_path / "empty"))
+    env.pop("ZEROKV_LAUNCHER", None)
+    code = "import zerokv; name, why = zerokv.launcher(); print(name); print(why)"
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    name, why = res.stdout.splitlines()[:2]
+    assert name == "c" and str(out) in why, res.stdout
+    env.pop("ZEROKV_KERNEL_DIR")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.splitlines()[0] == "python", res.stdout + res.stderr

@@ -191,8 +191,27 @@ def compile_command(args: argparse.Namespace) -> int:
         )
         return 1
     if args.out is not None:
+        _launcher_into(args.out, args.quiet)
         print(f"wrote {args.out}: set ZEROKV_KERNEL_DIR={args.out} where zerokv runs")
     return 0
+
+
+def _launcher_into(out: str, quiet: bool) -> None:
+    """The compiled executor built into ``out`` beside the kernels, for a runtime image without a
+    C compiler; where this machine cannot build it, one line says so (the image then runs the
+    Python executor, or builds it at its first call where it has a compiler)."""
+    from .core import cexec
+
+    try:
+        path = cexec.build_into(out)
+    except cexec.BuildError as e:
+        print(
+            f"launcher: not built ({' '.join(str(e).split())}); the image runs the Python executor",
+            flush=True,
+        )
+        return
+    if not quiet:
+        print(f"launcher: {path.name} (the compiled executor for this Python and platform)", flush=True)
 
 
 def _selection(dtypes: list[str] | None, ops: list[str] | None) -> dict[str, list[str]] | None:

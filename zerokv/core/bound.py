@@ -179,17 +179,3 @@ def _bits(v: Any, ctype: str) -> int:
 
         return struct.unpack("<I", struct.pack("<f", v))[0]
     return int(v)
-
-
-def run(bc: BoundCall, objs: tuple, scalars: tuple) -> Any:
-    """The Python executor (:func:`zerokv.core.pyexec.run`)."""
-    from .pyexec import run as python_run
-
-    return python_run(bc, objs, scalars)
-
-
-def _writable(x: Any) -> bool:
-    """An output the Python executor takes as writable (:func:`zerokv.core.pyexec._writable`)."""
-    from .pyexec import _writable as writable
-
-    return writable(x)

@@ -1,5 +1,5 @@
 """Which executor runs the bound calls: the compiled one (:mod:`zerokv.core.cexec`) where it can be
-built and loaded, else the Python one (:func:`zerokv.core.bound.run`).
+built and loaded, else the Python one (:func:`zerokv.core.pyexec.run`).
 
 ``ZEROKV_LAUNCHER``: ``auto`` (default: compiled when it builds, else Python, one warning at
 most), ``c`` (compiled, or an error saying why not), ``python``. The compiled executor reads
