@@ -178,3 +178,58 @@ def run_threads(target, args_list) -> list:
             f"{len(errors)} of {len(threads)} workers failed; worker {i}: {first!r}"
         ) from first
     return results
+
+
+# --- launches recorded, not made: CPU tensors down the GPU path -----------------------------
+from zerokv.core import device as _device  # noqa: E402
+from zerokv.core import facts as _facts  # noqa: E402
+from zerokv.core import launch as _launch  # noqa: E402
+from zerokv.core import plans as _plans  # noqa: E402
+
+
+class _Recorder:
+    """Stands for a Launcher: records (kernel, instantiation, grid, arguments by name)."""
+
+    def __init__(self, kernel, targs, log):
+        self.kernel, self.targs, self.log = kernel, targs, log
+
+    def launch(self, grid, grid_y, stream, bind, *records):
+        _launch._arena.buf[: self.kernel.packer.size] = bytes(self.kernel.packer.size)
+        bind(_launch._arena.buf, *records)
+        self.fire(grid, grid_y, stream)
+
+    def launch_values(self, grid, grid_y, stream, values):
+        self.kernel.packer.pack_into(_launch._arena.buf, 0, *values)
+        self.fire(grid, grid_y, stream)
+
+    def fire(self, grid, grid_y, stream):
+        """What a launch of the arguments packed in this thread's buffer would launch."""
+        values = self.kernel.packer.unpack_from(_launch._arena.buf)
+        args = dict(zip((n for n, _ in self.kernel.params), values, strict=True))
+        self.log.append((self.kernel.name, self.targs, grid if grid_y == 1 else (grid, grid_y), args))
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """Every launch of the ops goes to the returned list; host tensors take the GPU path."""
+    log: list[tuple] = []
+    _plans.clear_cache()
+    monkeypatch.setattr(_plans, "launcher", lambda kernel, targs, device: _Recorder(kernel, targs, log))
+    monkeypatch.setattr(_device, "sm_count", lambda device: 132)
+    monkeypatch.setattr(_device, "l2_bytes", lambda device: 50 << 20)
+    monkeypatch.setattr(_device, "torch_stream", lambda device: 0)
+    monkeypatch.setattr(_device, "cupy_stream", lambda device: 0)
+    for name in ("read_two", "read_n", "read_rows"):
+        monkeypatch.setattr(_facts, name, _on_device(getattr(_facts, name)))
+    yield log
+    _plans.clear_cache()
+
+
+def _on_device(read):
+    def on_device(*args):
+        f = read(*args)
+        if f is not None:
+            f.device = 0
+        return f
+
+    return on_device

@@ -31,3 +31,12 @@ def make_states(T: int, H: int, D: int, dtype, device="cpu", seed: int = 0, edge
         s_a[nan] = NAN
         s_a[gap] = s_b[gap] + 1e4
     return tuple(x.to(device) for x in (v_a, s_a, v_b, s_b))
+
+
+def layout_states(T, H, D, dtype=torch.bfloat16, lse_ht=False, pad_h=0, seed=0):
+    """Inputs in engine layouts: padded heads (``pad_h``), an [H, T] LSE buffer as ``.T``. V is
+    left unfilled: launches are recorded, not made, so its values are never read."""
+    g = torch.Generator().manual_seed(seed + T * 131 + H * 7 + D)
+    v = [torch.empty(T, H + pad_h, D, dtype=dtype)[:, :H] for _ in range(2)]
+    s = [torch.randn(H, T, generator=g).T if lse_ht else torch.randn(T, H, generator=g) for _ in range(2)]
+    return v[0], s[0], v[1], s[1]

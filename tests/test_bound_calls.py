@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_launch_paths import _states, recorded  # noqa: F401 - the fixture
+from states import layout_states as _states
 
 import zerokv
 from zerokv.compat import sglang, vllm
@@ -74,7 +74,7 @@ def _calls(T: int) -> list:
 
 
 @pytest.fixture
-def counted(recorded, monkeypatch):  # noqa: F811 - the imported fixture
+def counted(recorded, monkeypatch):
     """The recorder's log and a count of full validations and facts records, per op."""
     seen = {"validate": 0, "facts": 0}
 
@@ -108,7 +108,7 @@ def test_a_later_call_of_a_signature_takes_its_bound_call(counted):
         seen["validate"] = seen["facts"] = 0
 
 
-def test_bound_calls_launch_what_the_validated_path_launches(recorded, monkeypatch):  # noqa: F811
+def test_bound_calls_launch_what_the_validated_path_launches(recorded, monkeypatch):
     """The same calls with every signature's bound call and without any (each call fully
     validated, its facts packed by the kernels' binders): the same kernels, grids and
     arguments by name, for a first T and a later one of another form."""

@@ -10,73 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from states import layout_states as _states
 
 import zerokv
 from zerokv.compat import sglang, vllm
-from zerokv.core import device as _device
-from zerokv.core import facts as _facts
 from zerokv.core import kernels as _kernels
-from zerokv.core import launch as _launch
-from zerokv.core import plans as _plans
 
 BF16 = ("zk_bfloat16", "zk_bfloat16")
-
-
-class _Recorder:
-    """Stands for a Launcher: records (kernel, instantiation, grid, arguments by name)."""
-
-    def __init__(self, kernel, targs, log):
-        self.kernel, self.targs, self.log = kernel, targs, log
-
-    def launch(self, grid, grid_y, stream, bind, *records):
-        _launch._arena.buf[: self.kernel.packer.size] = bytes(self.kernel.packer.size)
-        bind(_launch._arena.buf, *records)
-        self.fire(grid, grid_y, stream)
-
-    def launch_values(self, grid, grid_y, stream, values):
-        self.kernel.packer.pack_into(_launch._arena.buf, 0, *values)
-        self.fire(grid, grid_y, stream)
-
-    def fire(self, grid, grid_y, stream):
-        """What a launch of the arguments packed in this thread's buffer would launch."""
-        values = self.kernel.packer.unpack_from(_launch._arena.buf)
-        args = dict(zip((n for n, _ in self.kernel.params), values, strict=True))
-        self.log.append((self.kernel.name, self.targs, grid if grid_y == 1 else (grid, grid_y), args))
-
-
-@pytest.fixture
-def recorded(monkeypatch):
-    """Every launch of the ops goes to the returned list; host tensors take the GPU path."""
-    log: list[tuple] = []
-    _plans.clear_cache()
-    monkeypatch.setattr(_plans, "launcher", lambda kernel, targs, device: _Recorder(kernel, targs, log))
-    monkeypatch.setattr(_device, "sm_count", lambda device: 132)
-    monkeypatch.setattr(_device, "l2_bytes", lambda device: 50 << 20)
-    monkeypatch.setattr(_device, "torch_stream", lambda device: 0)
-    monkeypatch.setattr(_device, "cupy_stream", lambda device: 0)
-    for name in ("read_two", "read_n", "read_rows"):
-        monkeypatch.setattr(_facts, name, _on_device(getattr(_facts, name)))
-    yield log
-    _plans.clear_cache()
-
-
-def _on_device(read):
-    def on_device(*args):
-        f = read(*args)
-        if f is not None:
-            f.device = 0
-        return f
-
-    return on_device
-
-
-def _states(T, H, D, dtype=torch.bfloat16, lse_ht=False, pad_h=0, seed=0):
-    """Inputs in engine layouts: padded heads (``pad_h``), an [H, T] LSE buffer as ``.T``. V is
-    left unfilled: launches are recorded, not made, so its values are never read."""
-    g = torch.Generator().manual_seed(seed + T * 131 + H * 7 + D)
-    v = [torch.empty(T, H + pad_h, D, dtype=dtype)[:, :H] for _ in range(2)]
-    s = [torch.randn(H, T, generator=g).T if lse_ht else torch.randn(T, H, generator=g) for _ in range(2)]
-    return v[0], s[0], v[1], s[1]
 
 
 def _two(log, T, H, D, dtype=torch.bfloat16, out_dtype=None, out_lse_ht=False, lse_ht=False):

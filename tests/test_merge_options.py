@@ -14,7 +14,6 @@ import torch
 from batches import LYING_CASES
 from conftest import assert_close, f64
 from states import make_states
-from test_launch_paths import recorded  # noqa: F401 - the fixture: CPU tensors down the GPU path
 
 import zerokv
 from zerokv import merge, reference
@@ -124,7 +123,7 @@ def _cpu_states(T=300, H=8, D=128, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_a_empty_packs_its_offsets(recorded, index_dtype):  # noqa: F811
+def test_a_empty_packs_its_offsets(recorded, index_dtype):
     va, sa, vb, sb = _cpu_states()
     cu = torch.tensor([0, 100, 200, 300], dtype=index_dtype)
     lens = torch.tensor([5, 0, 7], dtype=index_dtype)
@@ -136,7 +135,7 @@ def test_a_empty_packs_its_offsets(recorded, index_dtype):  # noqa: F811
     assert args["sinks"] == args["row_mask"] == args["out_scale"] == args["bscale"] == 0
 
 
-def test_sinks_row_mask_and_fp8_scale_pack_their_pointers(recorded):  # noqa: F811
+def test_sinks_row_mask_and_fp8_scale_pack_their_pointers(recorded):
     va, sa, vb, sb = _cpu_states()
     sinks, mask, scale = torch.randn(8), torch.ones(300, dtype=torch.bool), torch.ones(1)
     zerokv.merge_state(va, sa, vb, sb, out=torch.empty_like(va), sinks=sinks)
@@ -150,7 +149,7 @@ def test_sinks_row_mask_and_fp8_scale_pack_their_pointers(recorded):  # noqa: F8
 
 @pytest.mark.parametrize(("T", "vec"), [(4, 4), (300, 8), (4200, 8)])
 @pytest.mark.parametrize("fmt", ["float32", "ue8m0"])
-def test_group_fp8_packs_its_scales_and_group(recorded, T, vec, fmt):  # noqa: F811
+def test_group_fp8_packs_its_scales_and_group(recorded, T, vec, fmt):
     va, sa, vb, sb = _cpu_states(T)
     out8 = torch.empty(va.shape, dtype=FP8)
     bs = torch.empty(8 * 128 // 32, T).T  # column-major
@@ -169,7 +168,7 @@ def test_group_fp8_packs_its_scales_and_group(recorded, T, vec, fmt):  # noqa: F
 
 
 @pytest.mark.parametrize(("D", "vec", "group"), [(128, 8, 128), (64, 8, 16), (48, 1, 16)])
-def test_group_fp8_of_n_states_packs_its_scales_and_whole_groups_a_row_group(recorded, D, vec, group):  # noqa: F811
+def test_group_fp8_of_n_states_packs_its_scales_and_whole_groups_a_row_group(recorded, D, vec, group):
     T, H = 9000, 8  # large enough that the lanes of a row would halve without groups
     v = _n_states(3, T, H, D, aligned=vec > 1)
     out8 = torch.empty(T, H, D, dtype=FP8)
@@ -188,7 +187,7 @@ def test_group_fp8_of_n_states_packs_its_scales_and_whole_groups_a_row_group(rec
     assert 1 << args["g_shr"] == group // vec and args["lanes"] >= group // vec
 
 
-def test_group_fp8_of_unaligned_n_states_takes_groups_of_at_most_32_values(recorded):  # noqa: F811
+def test_group_fp8_of_unaligned_n_states_takes_groups_of_at_most_32_values(recorded):
     T, H, D = 5, 2, 128
     v = _n_states(3, T, H, D, aligned=False)
     out8 = torch.zeros(T, H, D, dtype=FP8)
@@ -207,7 +206,7 @@ def _n_states(N, T, H, D, aligned=True):
     return u
 
 
-def test_plain_calls_pack_no_option(recorded):  # noqa: F811
+def test_plain_calls_pack_no_option(recorded):
     va, sa, vb, sb = _cpu_states()
     zerokv.merge_state(va, sa, vb, sb, out=torch.empty_like(va))
     name, targs, _, args = recorded[-1]
