@@ -635,11 +635,15 @@ def test_repeated_calls_reuse_the_prepared_launch_and_see_new_data():
         for dst, src in zip((v_a, s_a, v_b, s_b), fresh, strict=True):
             dst.copy_(src)
         out.fill_(NAN)
+        lse.fill_(NAN)
         zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse)
         _compare(out, lse, *fresh, torch.bfloat16)
     # same buffers, another layout or base: not the remembered launch
+    out.fill_(NAN)
+    lse.fill_(NAN)
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=lse, lse_base=2)
     _compare(out, lse, v_a, s_a, v_b, s_b, torch.bfloat16, base=2)
+    out.fill_(NAN)
     zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=None)
     _compare(out, None, v_a, s_a, v_b, s_b, torch.bfloat16)
     with pytest.raises(ValueError, match="prefix_rows"):
