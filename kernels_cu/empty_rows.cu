@@ -25,7 +25,7 @@ constexpr int GROUP = 8;
 
 // Tests requests first + j * BLOCK + tid (coalesced), j < PER_THREAD, for emptiness: all the
 // loads in flight at once. LENS64: the offsets' width, a compile-time constant so that the loads
-// are straight-line code (a branch on the width costs small calls: bench/NOTES.md, entry 32).
+// are straight-line code (a branch on the width costs small calls).
 template <int RULE, int LENS64>
 __device__ __forceinline__ void scan_step(const void* lens, i64 batch, i64 first, bool (&empty)[PER_THREAD]) {
 #pragma unroll
@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_empty_rows_kernel, 4) empty_rows_kern
     i64 batch, i64 T, i64 H, i64 D, i64 flat) {
   // The first step's offsets are tested before anything else is set up: a chunk without an
   // empty request (the common call) costs one round trip and one barrier from the kernel's
-  // start (bench/NOTES.md).
+  // start.
   bool empty[PER_THREAD];
   scan_step<RULE, LENS64>(lens, batch, 0, empty);
   // One barrier decides for the whole block whether this step has any empty request.

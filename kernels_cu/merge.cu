@@ -222,9 +222,8 @@ __device__ __forceinline__ void divide_rn(float* x, float d) {
 
 // A zero coefficient drops that input (an empty one, or one whose weight underflows): its V
 // may hold NaN/Inf, so it is selected away, never multiplied by zero. bf16 packs take the
-// selects on their bits while widening them, then one FMUL and one FFMA per value: 0.03-0.06 µs
-// less on small calls; half and float keep a select per value, which measured faster for them
-// (bench/NOTES.md).
+// selects on their bits while widening them, then one FMUL and one FFMA per value (less
+// work on small calls); half and float keep a select per value, which measured faster for them.
 template <typename Tin, int VEC>
 __device__ __forceinline__ void merged_floats(const Pack<Tin, VEC>& a, const Pack<Tin, VEC>& b, float ca, float cb,
                                               float* acc) {
@@ -371,7 +370,7 @@ __device__ __forceinline__ RowCoef flat_row_coef(int t, float la, float lb, int 
 // (fewer than 8) after them in the natural order. For an LSE laid [H, T] the rows a warp or a
 // block holds then lie 8 beside each other in memory: the output LSE leaves in whole 32-byte
 // sectors instead of 4 bytes of a sector from each of 8 blocks, and a warp's LSE loads touch
-// fewer sectors (up to 5 % faster from 2^19 threads; bench/NOTES.md).
+// fewer sectors (faster from 2^19 threads).
 template <bool TILE>
 __device__ __forceinline__ int flat_token(unsigned r, int H, unsigned H_mul, int H_shr, unsigned tiled_rows, int& h) {
   if constexpr (TILE) {
@@ -389,8 +388,8 @@ __device__ __forceinline__ int flat_token(unsigned r, int H, unsigned H_mul, int
 
 // The output LSEs of a block, gathered: the rows whose pack 0 lies in the block go through
 // shared memory and out from its first threads, so that rows beside each other in out_lse
-// leave in one warp's store instead of one store from each row's warp (0.5-2 % faster from
-// 2^19 threads on; bench/NOTES.md); with rows in tiles (TILE) an out_lse laid [H, T] takes whole
+// leave in one warp's store instead of one store from each row's warp (faster from 2^19
+// threads on); with rows in tiles (TILE) an out_lse laid [H, T] takes whole
 // sectors. Every thread of the block calls it (a barrier inside): those past the last row with
 // has = false.
 template <int BLOCK, bool TILE, typename I, bool MASK = false>
@@ -483,8 +482,7 @@ __device__ __forceinline__ bool a_empty_of(const void* cu, const void* lens, int
 // with TILE) are searched by its first warps (the window, 32 tokens a warp) or threads (the plain
 // search, one token each) into shared memory; after a barrier every thread reads its token's
 // answer. Smaller grids (a few waves, latency-bound) search in each warp. Called after the
-// thread's loads are issued; every thread of the block calls it. Thresholds measured:
-// bench/NOTES.md.
+// thread's loads are issued; every thread of the block calls it.
 constexpr unsigned A_SHARED_THREADS = 1u << 19;
 
 // The tokens of a block's threads i0 .. i1 (its rows' packs): [t_lo, t_lo + n) from its first
@@ -673,9 +671,8 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
 //
 // SMALL = 1 (grids of one wave, where a call is latency-bound): no branch before the loads, so
 // every parameter load is issued at once and the four loads go out together; a thread past the
-// last row loads row 0 (inside the tensors) and stores nothing. Up to 6 % faster on grids of
-// one wave, up to 4 % slower on grids of many waves, which take SMALL = 0 and its early return
-// (bench/NOTES.md); the gathered forms need every thread at their barrier, so they take
+// last row loads row 0 (inside the tensors) and stores nothing. Faster on grids of one wave,
+// slower on grids of many waves, which take SMALL = 0 and its early return; the gathered forms need every thread at their barrier, so they take
 // SMALL = 1 too. The smallest calls take merge_state_heads_kernel (below) instead. In every
 // form, nothing branches after the loads either: the stores are predicated
 // instructions, not code a branch jumps over (a branch region there cost up to 0.05 µs of a
@@ -734,7 +731,7 @@ __device__ __forceinline__ void merge_flat(
 
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
-// a_empty in runs of spans (F_A_RUN; the gathered form from bench/NOTES.md's threshold): the
+// a_empty in runs of spans (F_A_RUN; the gathered form from the forms' threshold): the
 // first L blocks take A_RUN_SPANS consecutive spans of BLOCK packs each, the grid's last blocks
 // (its tail, so that no SM waits on long blocks at the end) one span each; the host launches
 // G = L + S - L K blocks for S spans, so L = ceil((S - G) / (K - 1)). The block's tokens (those
@@ -743,7 +740,7 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // threads (the plain search, one token each); after the barrier every span knows before its
 // loads whether a row uses state a, and a row of an empty request (or past prefix_rows) does
 // not load v_a. Searched while the first span's loads were in flight, the search spilled a
-// pending LSE load and waited on it (bench/NOTES.md, entry 58). Output LSEs from each row's
+// pending LSE load and waited on it. Output LSEs from each row's
 // pack-0 thread (the gathered store's barrier per span cost more than it saved). Past 64
 // requests the search reads a shared copy of the offsets where it fits (search_tokens_staged).
 constexpr unsigned A_RUN_SPANS = 4;
@@ -788,13 +785,13 @@ __device__ __forceinline__ void merge_flat_run(
     return flat_token<TILE>(live ? row0 : 0u, H, H_mul, H_shr, tiled_rows, h);
   };
   // span 0's, found before the search: after its barrier only the loads are left on the path
-  // (the index math there cost 1-6 % at T = 256; bench/NOTES.md, entry 61)
+  // (the index math after the barrier was the small grids' cost)
   bool live0;
   int p0, h0;
   const int t0 = span_row(0u, live0, p0, h0);
   // span 0's v_b and LSEs on their way to L2 while the block searches: a prefetch holds no
   // register, so the search still needs no spill (the first wave otherwise waits with nothing in
-  // flight; bench/NOTES.md, entry 58)
+  // flight)
   if (live0) {
     prefetch_l2(vb + (t0 * vb_st + h0 * vb_sh + p0 * VEC));
     if (p0 == 0) {
@@ -847,8 +844,8 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
 // (packs a power of two, packs_shr its log2): thread i of block (g, t) takes pack i % packs of
 // row (t, g * BLOCK / packs + i / packs). Token, head and pack come from the block and thread
 // indices by a mask and shifts, with no division between the kernel's start and its four
-// loads: 2-4.5 % faster than the flat kernel's SMALL form at T = 1 (in blocks of (packs, heads)
-// threads, the same code measured 4 % slower; bench/NOTES.md). A thread past the last head
+// loads: faster than the flat kernel's SMALL form at T = 1 (in blocks of (packs, heads) threads
+// the same code measured slower). A thread past the last head
 // loads head 0 and stores nothing. 16-bit inputs may come in packs of 8 bytes (VEC 4; merge.py
 // picks).
 template <typename Tin, typename Tout, int VEC, int FEAT = 0>
@@ -910,9 +907,9 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel, FEA
 
 // The same for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still
 // 32-bit; aligned calls only; rows in the natural order for either out_lse layout (in tiles, an
-// [H, T] out_lse measured 1-4 % slower at 65536 x 128 x 512; bench/NOTES.md). Held to 32
+// [H, T] out_lse measured slower at the largest shapes). Held to 32
 // registers, 4 blocks per SM: unbounded, the GPU's NVRTC gave the fp16 form 34 registers
-// (3 blocks per SM, 7 % slower; 32 from the NVRTC of this project's CI).
+// (3 blocks per SM, slower; 32 from another NVRTC).
 template <typename Tin, typename Tout, int VEC, int FEAT = 0>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4) merge_state_flat64_gathered_kernel(
     const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,

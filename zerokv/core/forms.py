@@ -18,25 +18,25 @@ from . import dtypes as _dtypes
 from . import kernels as _kernels
 from .layout import INT32
 
-# Every threshold of form selection, each measured on an H200 (bench/NOTES.md, entry named).
+# Every threshold of form selection, each measured on an H200 (bench/NOTES.md keeps the runs).
 THRESHOLDS = {
-    # one thread per pack from here on: the 512-thread form that gathers the output LSE (entry 40)
+    # one thread per pack from here on: the 512-thread form that gathers the output LSE
     "gathered_threads": 1 << 19,
     # up to this many packs, with rows of a power of two of at most a block of packs: blocks
-    # of heads of one token (entry 42)
+    # of heads of one token
     "heads_packs": 2048,
-    # grids of at most this many blocks per SM (one wave of 128-thread blocks): SMALL = 1 (entry 41)
+    # grids of at most this many blocks per SM (one wave of 128-thread blocks): SMALL = 1
     "small_blocks_per_sm": 16,
-    # the row-group kernel: two packs per thread for batches of a tenth to six tenths of L2 (entry 15)
+    # the row-group kernel: two packs per thread for batches of a tenth to six tenths of L2
     "rows_mid_l2": (1, 10, 6, 10),
-    # merge_states: two packs per lane from this many elements per SM (entry 15)
+    # merge_states: two packs per lane from this many elements per SM
     "n_two_packs_per_sm": 1 << 16,
-    # the empty-row ops' persistent grid (entry 20)
+    # the empty-row ops' persistent grid
     "empty_rows_blocks_per_sm": 1,
     # a_empty on the gathered form in runs of spans (F_A_RUN) from this many spans of 512 packs
     # per SM (8 waves of 4 blocks; T = 1056 at H = 128, D = 128 bf16; an LSE laid [H, T]: on
     # every grid), the grid's last `a_empty_run_tail_per_sm` blocks per SM (two waves) one span
-    # each (entries 56-59)
+    # each
     "a_empty_runs_spans_per_sm": 32,
     "a_empty_run_tail_per_sm": 8,
 }
@@ -176,7 +176,7 @@ def _flat_form(k: _kernels.Kernel, targs: tuple, extra: tuple, H: int) -> Form:
 
 def _heads(c: MergeCall, ctypes: tuple, flags: tuple) -> Form | None:
     """Blocks of heads of one token: rows of a power of two of at most a block of packs;
-    bf16 in packs of 8 bytes unless a row would pass a block of them (entry 38)."""
+    bf16 in packs of 8 bytes unless a row would pass a block of them."""
     k = _kernels.MERGE_STATE_HEADS
     vec = max(c.vec // 2, 1) if c.in_dtype == "bfloat16" else c.vec
     if c.D // vec > k.block:
@@ -214,7 +214,7 @@ def row_geometry(packs: int, mid: bool, inplace_lse: bool) -> tuple[int, int]:
     """``(lanes, packs per thread)`` of merge_state's row groups: one pack per thread over
     ``lanes`` threads, except: batches that stay in L2 (``mid``) two packs per thread; a row
     of more than 32 packs whose LSE is written in place keeps its lanes in one warp (two
-    packs each); a row wider than one block, two per round (entry 15)."""
+    packs each); a row wider than one block, two per round."""
     lanes = _pow2_at_least(packs)
     if packs > 32:
         if inplace_lse:
@@ -273,12 +273,10 @@ def flat_options(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) ->
 
 def _a_empty_runs(c: MergeCall, dev: Device, form: Form, feat: int) -> Form:
     """The gathered a_empty form in runs of spans (F_A_RUN): a row of an empty request skips its
-    v_a load there (entries 56-59). With an LSE laid [H, T] on every grid (the one-pass form's
-    tiles cost 7-16 % below the threshold), and with int64 offsets (the one-pass form spills
-    its loads in flight there: 1.34-1.39 x the plain merge, the runs 1.03-1.09 x), and past the
-    window's requests (the one-pass form's search in global memory: 1.31-1.37 x, the runs'
-    shared copy 1.06-1.16 x; entry 61); [T, H] with int32 offsets and at most A_WINDOW requests
-    on grids of many waves, ``form`` below."""
+    v_a load there. Taken on every grid with an LSE laid [H, T] (the one-pass form's tiles are
+    slower there), with int64 offsets (the one-pass form spills its loads in flight) and past
+    the window's requests (the one-pass form searches global memory); [T, H] with int32 offsets
+    and at most A_WINDOW requests on grids of many waves; ``form`` below."""
     block = _kernels.MERGE_STATE_FLAT_GATHERED.block
     few = c.T * c.H * (c.D // c.vec) < THRESHOLDS["a_empty_runs_spans_per_sm"] * dev.sms * block
     if few and not c.lse_tiles and not feat & _kernels.F_A64 and not c.a_many:

@@ -58,7 +58,7 @@ def _cpu_n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
 
 class NPlan(Plan):
     """Every call of one merge_states signature; N = 2 without sinks or fp8 scale takes
-    merge_state's flat forms (they move the data faster than the N-way loop, entry 19)."""
+    merge_state's flat forms (they move the data faster than the N-way loop)."""
 
     def __init__(self, f: _facts.NFacts, scalars: tuple) -> None:
         v = _merge_checks.n(f.objs, scalars[0], _quant(scalars))

@@ -98,10 +98,9 @@ def run(torch, pg, N, rank, collectives, a: Args, v, s, out, out_lse, nan_empty)
 # Pipelining: a combine whose wire holds at least _OVERLAP_MIN_BYTES per rank and needs the
 # conversion runs in up to _OVERLAP_MAX_CHUNKS chunks of about _OVERLAP_CHUNK_BYTES; its kernels
 # then take at most _OVERLAP_THREADS_PER_SM threads per SM, so that the collective's blocks find
-# room beside them. Measured on two H200s (bench/NOTES.md): with a float32 wire, 128 MB chunks
-# take 7-11 % off one piece at 268 MB and 2 GB; smaller chunks cost more than they hide (each
-# collective of a chunk runs slower than one of the whole), and with a bf16 wire summed straight
-# into the output one piece is the fastest.
+# room beside them. With a float32 wire, 128 MB chunks are faster than one piece; smaller chunks
+# cost more than they hide (each collective of a chunk runs slower than one of the whole), and
+# with a bf16 wire summed straight into the output one piece is the fastest.
 _OVERLAP_MIN_BYTES = 256 << 20
 _OVERLAP_CHUNK_BYTES = 128 << 20
 _OVERLAP_MAX_CHUNKS = 16
