@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REF = "zerokv/reference.py"
 CPU = "zerokv/core/cpu_path.py"
 PLAN = "zerokv/plan.py"
-CPM = "zerokv/cp_merge_cpu.py"
+CPM = "zerokv/cp_merge/cpu_path.py"
 
 
 class Mutant(NamedTuple):
