@@ -49,6 +49,9 @@ def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
         plan.slow(f, rule, names)
 
 
+python_run = run  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
+
+
 def _new_plan(f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> Plan:
     return _plans.lookup(("empty_rows", rule, f.sig), lambda: Plan(f, rule, names or _NAMES[rule]))
 

@@ -77,15 +77,21 @@ def runner(name: str) -> Any:
 def _runner(module: Any) -> Any:
     if module is None:
         return _pyexec.run
-    c_run, py_run = module.run, _pyexec.run
+    _use_entries(module)
+    return module.run_either  # the compiled executor for torch signatures, the Python one for others
 
-    def run_either(bc: _bound.BoundCall, objs: tuple, scalars: tuple) -> Any:
-        """The compiled executor for torch signatures, the Python one for the others."""
-        if bc.c_ok:
-            return c_run(bc, objs, scalars)
-        return py_run(bc, objs, scalars)
 
-    return run_either
+def _use_entries(module: Any) -> None:
+    """The ops' entries (``merge_plans.two``, ``merge_states_plan.n``, ``empty_rows_plan.run``)
+    become ``module``'s: while ``run`` is its ``run_either`` they run a call's recent bound calls
+    in C; otherwise, or when none takes the call, they call the Python entries."""
+    from . import empty_rows_plan, merge_plans, merge_states_plan, plans
+
+    module.bind_entries(
+        globals(), plans.recent, _bound.BoundCall, _pyexec.run,
+        merge_plans.python_two, merge_states_plan.python_n, empty_rows_plan.python_run,
+    )  # fmt: skip
+    merge_plans.two, merge_states_plan.n, empty_rows_plan.run = module.two, module.n, module.empty_rows
 
 
 def run(bc: _bound.BoundCall, objs: tuple, scalars: tuple) -> Any:

@@ -15,6 +15,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <structmember.h>
+
 #include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
@@ -337,11 +339,23 @@ static int64_t as_i64(PyObject *v, int *bad)
     return x;
 }
 
+/* bc's slot at `offset` when bc is a BoundCall (its __slots__ read in place), else NULL. */
+static PyTypeObject *bc_type;  /* bound.BoundCall (bind_entries()) */
+static Py_ssize_t off_c_state = -1, off_c_ok = -1;
+
+static PyObject *slot_of(PyObject *bc, Py_ssize_t offset)
+{
+    return offset >= 0 && Py_TYPE(bc) == bc_type ? *(PyObject **)((char *)bc + offset) : NULL;
+}
+
 /* bc's state, decoded on its first run; NULL with no exception: bc is not a table this executor
  * runs; NULL with an exception: a real failure (memory). Returns a new reference. */
 static PyObject *state_of(PyObject *bc)
 {
-    PyObject *cached = PyObject_GetAttr(bc, s_c_state);
+    PyObject *cached = slot_of(bc, off_c_state);
+    if (cached != NULL && PyCapsule_CheckExact(cached) && PyCapsule_IsValid(cached, STATE_CAPSULE))
+        return Py_NewRef(cached);
+    cached = PyObject_GetAttr(bc, s_c_state);
     if (cached == NULL) {
         PyErr_Clear();
         return NULL;
@@ -1127,13 +1141,8 @@ key: {
 }
 #undef NEXT
 
-static PyObject *run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *run_call(PyObject *bc, PyObject *objs, PyObject *scalars)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "run(bc, objs, scalars) takes 3 arguments");
-        return NULL;
-    }
-    PyObject *bc = args[0], *objs = args[1], *scalars = args[2];
     if (!PyTuple_Check(objs) || !PyTuple_Check(scalars))
         Py_RETURN_NONE; /* the ops pass tuples; anything else goes to the full path */
     PyObject *capsule = state_of(bc);
@@ -1155,6 +1164,270 @@ static PyObject *run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(objs);
     Py_DECREF(capsule);
     return got;
+}
+
+static PyObject *run(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "run(bc, objs, scalars) takes 3 arguments");
+        return NULL;
+    }
+    return run_call(args[0], args[1], args[2]);
+}
+
+/* ---- the ops' entries: the recent bound calls of a call's scalars, run here ----------------- */
+
+static PyObject *executor_globals; /* zerokv.core.executor's namespace: its "run" is the switch */
+static PyObject *run_either_fn;    /* this module's run_either: the switch is on when it is "run" */
+static PyObject *recent;           /* plans.recent: scalars key -> the recent bound calls */
+static PyObject *python_run;       /* pyexec.run */
+static PyObject *python_two, *python_n, *python_rows; /* the ops' Python entries */
+static PyObject *s_run, *s_c_ok, *s_n, *s_empty_rows, *s_float32;
+
+/* 1 when bc runs here (bc.c_ok), 0 when not, -1 with an exception. */
+static int c_ok_of(PyObject *bc)
+{
+    PyObject *ok = slot_of(bc, off_c_ok);
+    if (ok == Py_True)
+        return 1;
+    if (ok == Py_False)
+        return 0;
+    ok = PyObject_GetAttr(bc, s_c_ok);
+    if (ok == NULL)
+        return -1;
+    int t = PyObject_IsTrue(ok);
+    Py_DECREF(ok);
+    return t;
+}
+
+static PyObject *run_either(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "run_either(bc, objs, scalars) takes 3 arguments");
+        return NULL;
+    }
+    int ok = c_ok_of(args[0]);
+    if (ok < 0)
+        return NULL;
+    if (ok || python_run == NULL)
+        return run_call(args[0], args[1], args[2]);
+    return PyObject_Vectorcall(python_run, args, 3, NULL);
+}
+
+/* The executor chosen for the ops' calls is this one (executor.run is run_either). */
+static int entries_on(void)
+{
+    if (executor_globals == NULL || recent == NULL)
+        return 0;
+    PyObject *r = PyDict_GetItemWithError(executor_globals, s_run);
+    if (r == NULL)
+        PyErr_Clear();
+    return r != NULL && r == run_either_fn;
+}
+
+/* The result of the first recent bound call of `key` that takes the call: a new reference;
+ * Py_None (new reference) when none does, when the key has none, or when one of them runs on
+ * the Python executor (the Python entry then runs them all); NULL with an exception that a
+ * bound call raised. An unhashable key is left to the Python entry. */
+static PyObject *recent_result(PyObject *key, PyObject *objs, PyObject *scalars, int truth)
+{
+    PyObject *calls = PyDict_GetItemWithError(recent, key);
+    if (calls == NULL) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (!PyTuple_CheckExact(calls))
+        Py_RETURN_NONE;
+    Py_INCREF(calls);
+    PyObject *got = NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(calls); i++) {
+        PyObject *bc = PyTuple_GET_ITEM(calls, i);
+        int ok = c_ok_of(bc);
+        if (ok <= 0) {
+            PyErr_Clear();
+            break;
+        }
+        got = run_call(bc, objs, scalars);
+        if (got == NULL)
+            break;
+        int taken = got != Py_None;
+        if (taken && truth) {
+            taken = PyObject_IsTrue(got);
+            if (taken < 0) {
+                Py_CLEAR(got);
+                break;
+            }
+        }
+        if (taken)
+            break;
+        Py_CLEAR(got);
+    }
+    Py_DECREF(calls);
+    if (got == NULL && !PyErr_Occurred())
+        got = Py_NewRef(Py_None);
+    return got;
+}
+
+enum { TWO_ARGS = 19, TWO_REQUIRED = 11 };
+static PyObject *two_names[TWO_ARGS];
+static const char *const two_text[TWO_ARGS] = {
+    "v_a", "s_a", "v_b", "s_b", "out", "out_lse", "lse_base", "prefix_rows", "a_empty", "out_scale",
+    "sinks", "row_mask", "suffix_verbatim", "allocate_lse", "names", "out_block_scale",
+    "quant_group", "scale_format", "lse_ht",
+};
+
+/* The arguments of a call of merge_plans.two by position; 0 when they are not a call this
+ * entry reads (the Python entry then makes it, or names what is wrong). */
+static int two_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **a)
+{
+    if (nargs > TWO_ARGS)
+        return 0;
+    for (int i = 0; i < TWO_ARGS; i++)
+        a[i] = i < nargs ? args[i] : NULL;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    for (Py_ssize_t j = 0; j < nkw; j++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, j);
+        int i = 0;
+        while (i < TWO_ARGS && name != two_names[i])
+            i++;
+        for (int k = 0; i == TWO_ARGS && k < TWO_ARGS; k++)
+            if (PyUnicode_Check(name) && PyUnicode_Compare(name, two_names[k]) == 0)
+                i = k;
+        if (i == TWO_ARGS || a[i] != NULL)
+            return 0;
+        a[i] = args[nargs + j];
+    }
+    for (int i = 0; i < TWO_REQUIRED; i++)
+        if (a[i] == NULL)
+            return 0;
+    return 1;
+}
+
+static PyObject *fallback(PyObject *fn, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (fn == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "zerokv: the compiled entries are not bound");
+        return NULL;
+    }
+    return PyObject_Vectorcall(fn, args, (size_t)nargs, kwnames);
+}
+
+static PyObject *bool_of(int x) { return x ? Py_True : Py_False; }
+
+static PyObject *two(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[TWO_ARGS];
+    if (!entries_on() || !two_args(args, nargs, kwnames, a))
+        return fallback(python_two, args, nargs, kwnames);
+    PyObject *cu = Py_None, *lens = Py_None, *a_empty = a[8];
+    if (a_empty != Py_None) {
+        if (!PyTuple_CheckExact(a_empty) || PyTuple_GET_SIZE(a_empty) != 2)
+            return fallback(python_two, args, nargs, kwnames);
+        cu = PyTuple_GET_ITEM(a_empty, 0), lens = PyTuple_GET_ITEM(a_empty, 1);
+    }
+    PyObject *out = a[4], *alloc = a[13] ? a[13] : Py_None;
+    if (alloc == Py_None)
+        alloc = bool_of(out == Py_None);
+    PyObject *key_items[7] = {
+        a[6], bool_of(a[7] == Py_None), a[12] ? a[12] : Py_False, alloc, a[16] ? a[16] : Py_None,
+        a[17] ? a[17] : s_float32, bool_of(a[18] != NULL && a[18] != Py_None),
+    };
+    PyObject *obs = a[15] ? a[15] : Py_None;
+    PyObject *obj_items[12] = {
+        a[0], a[1], a[2], a[3], out, a[5], cu, lens, a[11] ? a[11] : Py_None, a[9], a[10], obs,
+    };
+    PyObject *key = PyTuple_New(7), *objs = PyTuple_New(obs == Py_None ? 11 : 12),
+             *scalars = PyTuple_New(1), *got = NULL;
+    if (key == NULL || objs == NULL || scalars == NULL)
+        goto done;
+    for (int i = 0; i < 7; i++)
+        PyTuple_SET_ITEM(key, i, Py_NewRef(key_items[i]));
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(objs); i++)
+        PyTuple_SET_ITEM(objs, i, Py_NewRef(obj_items[i]));
+    PyTuple_SET_ITEM(scalars, 0, Py_NewRef(a[7]));
+    got = recent_result(key, objs, scalars, 0);
+done:
+    Py_XDECREF(key);
+    Py_XDECREF(objs);
+    Py_XDECREF(scalars);
+    if (got != Py_None)
+        return got; /* the result, or NULL with a bound call's exception */
+    Py_DECREF(got);
+    return fallback(python_two, args, nargs, kwnames);
+}
+
+static PyObject *n(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (!entries_on() || nargs != 2 || kwnames != NULL)
+        return fallback(python_n, args, nargs, kwnames);
+    PyObject *key = PyTuple_Pack(2, s_n, args[1]), *scalars = PyTuple_New(0), *got = NULL;
+    if (key != NULL && scalars != NULL)
+        got = recent_result(key, args[0], scalars, 0);
+    Py_XDECREF(key);
+    Py_XDECREF(scalars);
+    if (got != Py_None)
+        return got;
+    Py_DECREF(got);
+    return fallback(python_n, args, nargs, kwnames);
+}
+
+static PyObject *empty_rows(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (!entries_on() || nargs != 3 || kwnames != NULL)
+        return fallback(python_rows, args, nargs, kwnames);
+    PyObject *key = PyTuple_Pack(2, s_empty_rows, args[0]), *scalars = PyTuple_New(0), *got = NULL;
+    if (key != NULL && scalars != NULL)
+        got = recent_result(key, args[1], scalars, 1);
+    Py_XDECREF(key);
+    Py_XDECREF(scalars);
+    if (got == NULL)
+        return NULL;
+    if (got != Py_None) {
+        Py_DECREF(got);
+        Py_RETURN_NONE; /* done */
+    }
+    Py_DECREF(got);
+    return fallback(python_rows, args, nargs, kwnames);
+}
+
+/* The offset of `cls`'s __slots__ member `name` holding an object, or -1. */
+static Py_ssize_t member_offset(PyObject *cls, const char *name)
+{
+    PyObject *d = PyObject_GetAttrString(cls, name);
+    Py_ssize_t off = -1;
+    if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
+        if (m->type == T_OBJECT_EX && !(m->flags & READ_RESTRICTED))
+            off = m->offset;
+    }
+    Py_XDECREF(d);
+    PyErr_Clear();
+    return off;
+}
+
+static PyObject *bind_entries(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7 || !PyDict_Check(args[0]) || !PyDict_Check(args[1]) || !PyType_Check(args[2]) ||
+        !PyCallable_Check(args[3]) || !PyCallable_Check(args[4]) || !PyCallable_Check(args[5]) ||
+        !PyCallable_Check(args[6])) {
+        PyErr_SetString(PyExc_TypeError, "bind_entries(executor namespace, recent, BoundCall, python run, "
+                                         "two, n, empty_rows) takes two dicts, a class and four callables");
+        return NULL;
+    }
+    PyObject *either = PyObject_GetAttrString(module, "run_either");
+    if (either == NULL)
+        return NULL;
+    Py_XSETREF(run_either_fn, either);
+    Py_XSETREF(executor_globals, Py_NewRef(args[0]));
+    Py_XSETREF(recent, Py_NewRef(args[1]));
+    Py_XSETREF(bc_type, (PyTypeObject *)Py_NewRef(args[2]));
+    off_c_state = member_offset(args[2], "c_state");
+    off_c_ok = member_offset(args[2], "c_ok");
+    Py_XSETREF(python_run, Py_NewRef(args[3]));
+    Py_XSETREF(python_two, Py_NewRef(args[4]));
+    Py_XSETREF(python_n, Py_NewRef(args[5]));
+    Py_XSETREF(python_rows, Py_NewRef(args[6]));
+    Py_RETURN_NONE;
 }
 
 /* ---- the rest of the module ----------------------------------------------------------------- */
@@ -1199,6 +1472,20 @@ static PyMethodDef methods[] = {
     {"run", (PyCFunction)(void (*)(void))run, METH_FASTCALL,
      "run(bc, objs, scalars): the bound call on one call's arguments: its result, or None when "
      "the table does not take the call."},
+    {"run_either", (PyCFunction)(void (*)(void))run_either, METH_FASTCALL,
+     "run_either(bc, objs, scalars): run() for a bound call this executor takes (bc.c_ok), the "
+     "Python executor's run for the others."},
+    {"two", (PyCFunction)(void (*)(void))two, METH_FASTCALL | METH_KEYWORDS,
+     "merge_plans.two's entry: the recent bound calls of the call's scalars run here, else the "
+     "Python entry (bound by bind_entries) makes the call."},
+    {"n", (PyCFunction)(void (*)(void))n, METH_FASTCALL | METH_KEYWORDS,
+     "merge_states_plan.n's entry, as two()."},
+    {"empty_rows", (PyCFunction)(void (*)(void))empty_rows, METH_FASTCALL | METH_KEYWORDS,
+     "empty_rows_plan.run's entry, as two()."},
+    {"bind_entries", (PyCFunction)(void (*)(void))bind_entries, METH_FASTCALL,
+     "bind_entries(executor namespace, recent, BoundCall, python run, two, n, empty_rows): the "
+     "entries run the recent bound calls while the namespace's run is run_either, and call the "
+     "Python entries otherwise."},
     {"set_recorder", (PyCFunction)(void (*)(void))set_recorder, METH_FASTCALL,
      "set_recorder(fn, keep): launches go to fn(entry, grid, grid_y, params) (keep=True), are "
      "only counted (keep=False), or reach the driver (fn=None, keep=True); the count restarts."},
@@ -1260,9 +1547,14 @@ PyMODINIT_FUNC PyInit_zerokv_launcher(void)
         {&s_per_token, "per_token"}, {&s_run_tail, "run_tail"}, {&s_run_spans, "run_spans"},
         {&s_cap, "cap"}, {&s_pack, "pack"}, {&s_const_bits, "const_bits"}, {&s_nbytes, "nbytes"},
         {&s_t_lo, "t_lo"}, {&s_t_hi, "t_hi"}, {&s_consts, "consts"}, {&s_stream, "stream"},
+        {&s_run, "run"}, {&s_c_ok, "c_ok"}, {&s_n, "n"}, {&s_empty_rows, "empty_rows"},
+        {&s_float32, "float32"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
+            return NULL;
+    for (int i = 0; i < TWO_ARGS; i++)
+        if (two_names[i] == NULL && (two_names[i] = PyUnicode_InternFromString(two_text[i])) == NULL)
             return NULL;
     if (unreadable == NULL) {
         unreadable = PyTuple_Pack(5, PyExc_AttributeError, PyExc_TypeError, PyExc_ValueError,

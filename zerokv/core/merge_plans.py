@@ -160,6 +160,9 @@ def two(
     return r if r is not None else plan.slow(f, prefix_rows, names, scalars, lse_ht)
 
 
+python_two = two  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
+
+
 def _new_plan(f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: Any, lse_ht: Any) -> TwoPlan:
     """The plan of a signature met for the first time (built once, under the plans' lock)."""
     return _plans.lookup((scalars, f.sig), lambda: TwoPlan(f, scalars, prefix_rows, names, lse_ht))

@@ -38,6 +38,9 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     return r if r is not None else plan.slow(f, scalars)
 
 
+python_n = n  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
+
+
 def _new_plan(f: _facts.NFacts, scalars: tuple) -> NPlan:
     return _plans.lookup(("n", scalars, f.sig), lambda: NPlan(f, scalars))
 
