@@ -26,7 +26,7 @@ import torch
 import zerokv
 import zerokv.testing as zt
 from zerokv.compat import flashinfer, sglang, vllm
-from zerokv.core import bound, cexec, plans, pyexec
+from zerokv.core import bound, cexec, empty_rows_plan, merge_plans, merge_states_plan, plans, pyexec
 from zerokv.core import executor as _executor
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -362,31 +362,61 @@ def _outcome(call, tensors, log: zt.LaunchLog) -> tuple:
     return what + launched
 
 
+@contextlib.contextmanager
+def _python_entries_counted(module) -> dict:
+    """The compiled entries bound to counting wrappers of the Python entries: how many calls
+    each entry left to Python (its recent bound calls did not take them)."""
+    left = {"two": 0, "n": 0, "empty_rows": 0}
+
+    def counted(name, fn):
+        def entry(*args, **kwargs):
+            left[name] += 1
+            return fn(*args, **kwargs)
+
+        return entry
+
+    def bind(two, n, rows):
+        module.bind_entries(vars(_executor), plans.recent, bound.BoundCall, pyexec.run, two, n, rows)
+
+    python = (merge_plans.python_two, merge_states_plan.python_n, empty_rows_plan.python_run)
+    bind(*(counted(k, fn) for k, fn in zip(left, python, strict=True)))
+    try:
+        yield left
+    finally:
+        bind(*python)
+
+
 def test_the_executors_agree_on_random_calls(c_module):
     """Thousands of random calls of every op and adapter: each bound call met is run by both
     executors with the same outcome and launches (``Both``), and the public calls give the same
-    outcome, exception and launches under the compiled executor as under the Python one."""
+    outcome, exception and launches under the compiled executor as under the Python one, and
+    through the compiled entries (the recent bound calls run from C) as through the Python ones."""
     got: dict[str, list] = {}
-    for name in ("c", "python"):
-        with zt.record_launches(executor=name) as log:
+    for name in ("c", "python", "entries"):
+        with zt.record_launches(executor="c" if name == "entries" else name) as log:
             both = Both(log, c_module)
-            if name == "c":
-                saved, _executor.run = _executor.run, both
-            try:
+            assert merge_plans.two is c_module.two and empty_rows_plan.run is c_module.empty_rows
+            with contextlib.ExitStack() as stack:
+                if name == "c":  # executor.run is not run_either: the entries leave every call
+                    saved, _executor.run = _executor.run, both
+                    stack.callback(setattr, _executor, "run", saved)
+                if name == "entries":
+                    assert _executor.run is c_module.run_either
+                    left = stack.enter_context(_python_entries_counted(c_module))
                 got[name] = []
                 for seed in range(CALLS):
                     call, tensors = random_call(seed)
                     got[name].append(_outcome(call, tensors, log))
-            finally:
-                if name == "c":
-                    _executor.run = saved
         if name == "c":
             runs, taken, ops = both.runs, both.taken, both.ops
+    # the compiled entries took most calls a bound call takes, and left the rest to Python
+    ok = sum(o[0] == "ok" for o in got["entries"])
+    assert CALLS - sum(left.values()) > ok // 4 and all(left.values()), (left, ok)
     assert runs >= CALLS and CALLS // 10 < taken < runs - CALLS // 10, (runs, taken)  # both kinds, many
     assert ops >= {bound.OP_TENSOR, bound.OP_ABSENT, bound.OP_APART, bound.OP_DISTINCT, bound.OP_KEY}
     assert {bound.OP_SCALAR, bound.OP_ALLOC, bound.OP_ARITH, bound.OP_RANGE} <= ops
-    for seed, (a, b) in enumerate(zip(got["python"], got["c"], strict=True)):
-        assert a == b, (seed, a, b)
+    for seed, (a, b, e) in enumerate(zip(got["python"], got["c"], got["entries"], strict=True)):
+        assert a == b == e, (seed, a, b, e)
     raised = sum(o[0] == "raise" for o in got["c"])
     assert 0.1 * CALLS < raised < 0.9 * CALLS  # both kinds of call are many
 
