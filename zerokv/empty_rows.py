@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .core import empty_rows_plan as _plan
+from .core import entries as _entries  # noqa: F401 - the compiled entries, when chosen
 from .core import kernels as _kernels
 
 

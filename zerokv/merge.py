@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .core import entries as _entries  # noqa: F401 - the compiled entries, when chosen
 from .core import merge_plans as _merge_plans
 from .core import merge_states_plan as _merge_states_plan
 

@@ -21,6 +21,7 @@ CHOICES = ("auto", "c", "python")
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {}  # the process's choice: "name", "why", "module"
+_on_compiled: list[Any] = []
 
 
 def _want(choice: str | None) -> str:
@@ -77,21 +78,16 @@ def runner(name: str) -> Any:
 def _runner(module: Any) -> Any:
     if module is None:
         return _pyexec.run
-    _use_entries(module)
+    for hook in _on_compiled:
+        hook(module)
     return module.run_either  # the compiled executor for torch signatures, the Python one for others
 
 
-def _use_entries(module: Any) -> None:
-    """The ops' entries (``merge_plans.two``, ``merge_states_plan.n``, ``empty_rows_plan.run``)
-    become ``module``'s: while ``run`` is its ``run_either`` they run a call's recent bound calls
-    in C; otherwise, or when none takes the call, they call the Python entries."""
-    from . import empty_rows_plan, merge_plans, merge_states_plan, plans
-
-    module.bind_entries(
-        globals(), plans.recent, _bound.BoundCall, _pyexec.run,
-        merge_plans.python_two, merge_states_plan.python_n, empty_rows_plan.python_run,
-    )  # fmt: skip
-    merge_plans.two, merge_states_plan.n, empty_rows_plan.run = module.two, module.n, module.empty_rows
+def on_compiled(hook: Any) -> None:
+    """``hook(module)`` runs whenever the compiled module becomes a runner
+    (:mod:`zerokv.core.entries` puts the ops' compiled entries in place)."""
+    if hook not in _on_compiled:
+        _on_compiled.append(hook)
 
 
 def run(bc: _bound.BoundCall, objs: tuple, scalars: tuple) -> Any:
