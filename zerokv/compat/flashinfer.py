@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from .. import merge as _merge
+from ..core import merge_plans as _merge_plans
 from ..core.tensors import torch_dtype_names, torch_tensor_type, view
 
 _IN_PLACE_NAMES = {"v_a": "v", "s_a": "s", "v_b": "v_other", "s_b": "s_other", "out": "v", "out_lse": "s"}
@@ -50,18 +51,9 @@ def merge_state_in_place(v: Any, s: Any, v_other: Any, s_other: Any, mask: Any =
     s32 = _float32_lse(s, "s")
     s_other = _float32_lse(s_other, "s_other")
     out_lse = s if s32 is s else None
-    _merge.merge_two(
-        v,
-        s32,
-        v_other,
-        s_other,
-        v,
-        out_lse,
-        lse_base=2,
-        row_mask=mask,
-        allocate_lse=False,
-        names=_IN_PLACE_NAMES,
-    )
+    _merge_plans.two(
+        v, s32, v_other, s_other, v, out_lse, 2, None, None, None, None, mask, False, False, _IN_PLACE_NAMES,
+    )  # fmt: skip
 
 
 def merge_states(v: Any, s: Any) -> tuple[Any, Any]:

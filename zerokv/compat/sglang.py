@@ -10,7 +10,7 @@ import numpy as np
 from ..core import empty_rows_plan as _empty_rows_plan
 from ..core import kernels as _kernels
 from ..core import merge_plans as _merge_plans
-from ..core.tensors import view
+from ..core.tensors import torch_dtype_names, torch_tensor_type, view
 
 _MERGE_NAMES = {"out": "v_merged", "out_lse": "s_merged"}
 _FIXUP_NAMES = ("out", "lse", "cum_seq_lens", "kv_lens")  # (out, lse, cu_q, lens)
@@ -41,6 +41,8 @@ def merge_state_v2(
 def _float32(s: Any, arg: str) -> Any:
     """SGLang converts a floating LSE to float32 before its kernel; so do we. Anything else is
     refused here rather than converted (an int or bool LSE is a bug upstream)."""
+    if type(s) is torch_tensor_type() and torch_dtype_names().get(s.dtype) == "float32":
+        return s  # the common call, decided without a view
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(s, torch.Tensor):  # is_torch, written out (every call)
         if s.dtype is torch.float32:
