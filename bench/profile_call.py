@@ -116,6 +116,7 @@ def _calls(zk: Any, torch: Any, dev: str, T: int, only_plain: bool = False) -> d
     from zerokv.core import plans
 
     sa_ht, sb_ht, ol_ht = (torch.randn(H, T, device=dev) for _ in range(3))
+    sa_t, sb_t, ol_t = sa_ht.T, sb_ht.T, ol_ht.T  # [H, T] buffers as [T, H] views, made once
     idx = torch.tensor([0, T // 3, T // 2, T], dtype=torch.int32, device=dev)
     kv = torch.tensor([0, 5, 9], dtype=torch.int32, device=dev)
     sinks, scale = torch.randn(H, device=dev), torch.tensor([0.5], device=dev)
@@ -143,7 +144,7 @@ def _calls(zk: Any, torch: Any, dev: str, T: int, only_plain: bool = False) -> d
             "out_scale (fp8)": lambda: ms(va, sa, vb, sb, out=out8, out_scale=scale),
             "per-group fp8": lambda: ms(va, sa, vb, sb, out=out8, out_block_scale=bscale, quant_group=128),
             "prefix_rows": lambda: ms(va, sa, vb, sb, out=out, out_lse=ol, prefix_rows=T // 2),
-            "[H, T] LSE": lambda: ms(va, sa_ht.T, vb, sb_ht.T, out=out, out_lse=ol_ht.T),
+            "[H, T] LSE": lambda: ms(va, sa_t, vb, sb_t, out=out, out_lse=ol_t),
             "allocated outputs": lambda: ms(va, sa, vb, sb),
             "vllm.merge_attn_states": lambda: vllm.merge_attn_states(out, va, sa_ht, vb, sb_ht, ol_ht),
             "sglang.merge_state_v2": lambda: sglang.merge_state_v2(va, sa, vb, sb, out, ol),

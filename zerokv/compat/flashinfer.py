@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import merge as _merge
 from ..core import merge_plans as _merge_plans
-from ..core.tensors import torch_dtype_names, torch_tensor_type, view
+from ..core.tensors import view
 
 _IN_PLACE_NAMES = {"v_a": "v", "s_a": "s", "v_b": "v_other", "s_b": "s_other", "out": "v", "out_lse": "s"}
 _CONVERTED = ("float16", "bfloat16", "float64")
@@ -22,8 +22,6 @@ _CONVERTED = ("float16", "bfloat16", "float64")
 def _float32_lse(s: Any, arg: str) -> Any:
     """``s`` itself when it is float32; a float32 copy of a float16/bfloat16/float64 one (what
     FlashInfer's ``s.to(torch.float32)`` does); anything else as it is (the merge rejects it)."""
-    if type(s) is torch_tensor_type() and torch_dtype_names().get(s.dtype) == "float32":
-        return s  # the common call: no view of the tensor needed
     dtype = view(s, arg).dtype  # TypeError naming the argument for what is not a tensor
     if dtype not in _CONVERTED:
         return s
@@ -48,12 +46,31 @@ def merge_state_in_place(v: Any, s: Any, v_other: Any, s_other: Any, mask: Any =
     writes nothing. As in FlashInfer, an ``s`` that is not float32 is read through a float32
     copy and so keeps its old values (only ``v`` is updated).
     """
-    s32 = _float32_lse(s, "s")
-    s_other = _float32_lse(s_other, "s_other")
+    f32 = _torch_float32 or _find_torch_float32()
+    if (
+        f32
+        and type(s) is f32[0]
+        and s.dtype is f32[1]
+        and type(s_other) is f32[0]
+        and s_other.dtype is f32[1]
+    ):
+        s32 = s  # the common call: float32 torch LSEs, decided without a view
+    else:
+        s32, s_other = _float32_lse(s, "s"), _float32_lse(s_other, "s_other")
     out_lse = s if s32 is s else None
     _merge_plans.two(
         v, s32, v_other, s_other, v, out_lse, 2, None, None, None, None, mask, False, False, _IN_PLACE_NAMES,
     )  # fmt: skip
+
+
+_torch_float32: list = []  # (torch.Tensor, torch.float32) once torch is imported: the common call's test
+
+
+def _find_torch_float32() -> list:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        _torch_float32[:] = [torch.Tensor, torch.float32]
+    return _torch_float32
 
 
 def merge_states(v: Any, s: Any) -> tuple[Any, Any]:
