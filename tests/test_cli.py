@@ -13,6 +13,7 @@ import pytest
 import zerokv
 from zerokv import selfcheck
 from zerokv.__main__ import main
+from zerokv.core import cexec
 from zerokv.core import kernels as _kernels
 from zerokv.core import offline as _offline
 from zerokv.core import sources as _sources
@@ -469,7 +470,10 @@ def test_compile_out_with_a_selection(tmp_path, cache_dir, capsys):
     rules = {e.split("<")[1].rstrip(">").split(", ")[2] for e in meta["expressions"]}
     assert rules == {str(_kernels.RULE_CONTEXT_SPAN_EMPTY)}
     assert all(e.startswith(f"{_kernels.EMPTY_ROWS.name}<zk_half,") for e in meta["expressions"]), meta
-    assert sorted(p.name for p in out.iterdir()) == ["empty_rows-sm_80.cubin", "empty_rows-sm_80.json"]
+    launcher = cexec.file_name(False)  # the compiled executor, built beside the kernels
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["empty_rows-sm_80.cubin", "empty_rows-sm_80.json", launcher, launcher + ".sha256"]
+    )
 
 
 def test_compile_out_builds_the_launcher_an_image_without_a_compiler_loads(tmp_path, capsys):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from zerokv.__main__ import main
+from zerokv.core import cexec
 from zerokv.core import compiler as _compiler
 from zerokv.core import device as _device
 from zerokv.core import disk_cache as _cache
@@ -49,7 +50,10 @@ def _entry(built: Path) -> tuple[str, str, list[str]]:
 
 
 def test_compile_out_writes_a_record_and_its_binary(built):
-    assert sorted(p.name for p in built.iterdir()) == ["empty_rows-sm_90.cubin", "empty_rows-sm_90.json"]
+    launcher = cexec.file_name(False)  # the compiled executor, built beside the kernels
+    assert sorted(p.name for p in built.iterdir()) == sorted(
+        ["empty_rows-sm_90.cubin", "empty_rows-sm_90.json", launcher, launcher + ".sha256"]
+    )
     meta = json.loads((built / "empty_rows-sm_90.json").read_text())
     cubin = (built / "empty_rows-sm_90.cubin").read_bytes()
     assert cubin[:4] == b"\x7fELF"  # a real cubin, not a placeholder
