@@ -50,9 +50,10 @@ def _entry(built: Path) -> tuple[str, str, list[str]]:
 
 
 def test_compile_out_writes_a_record_and_its_binary(built):
-    launcher = cexec.file_name(False)  # the compiled executor, built beside the kernels
+    launcher = cexec.file_name(False)  # the compiled executor, built beside the kernels where it builds
+    built_launcher = [launcher, launcher + ".sha256"] if cexec.load()[0] is not None else []
     assert sorted(p.name for p in built.iterdir()) == sorted(
-        ["empty_rows-sm_90.cubin", "empty_rows-sm_90.json", launcher, launcher + ".sha256"]
+        ["empty_rows-sm_90.cubin", "empty_rows-sm_90.json"] + built_launcher
     )
     meta = json.loads((built / "empty_rows-sm_90.json").read_text())
     cubin = (built / "empty_rows-sm_90.cubin").read_bytes()
