@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .core.dtypes import TABLE
+
 
 def _base(lse_base: str | int) -> float:
     return np.e if str(lse_base) == "e" else 2.0
@@ -183,7 +185,7 @@ def max_error(actual, expected) -> float:
 
 # --- per-group fp8 output (vLLM's rule for fp8 block-scaled GEMMs) ------------------------------
 
-FP8_E4M3_MAX = 448.0
+FP8_E4M3_MAX = TABLE["float8_e4m3fn"].saturate  # where e4m3 conversions saturate (448)
 GROUP_SCALE_FLOOR = float(np.float32(1e-10))  # the absmax floor, as a float32 constant
 
 

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 
 from .. import reference
+from . import dtypes as _dtypes
 from .tensors import Tensor
 
 
@@ -64,11 +65,12 @@ def write_merged(o: Tensor, res: np.ndarray, v: dict, rows: np.ndarray | None = 
 
 
 def scaled(res: np.ndarray, scale: Tensor | None) -> np.ndarray:
-    """fp8 output: ``clamp(merged / scale, -448, 448)``."""
+    """fp8 output: ``clamp(merged / scale, -max, max)``, the fp8 type's largest finite value."""
     if scale is None:
         return res
     s = float(to_f64(scale).reshape(-1)[0])
-    return np.clip(res / s, -448.0, 448.0)
+    top = _dtypes.TABLE[_dtypes.FP8[0]].saturate
+    return np.clip(res / s, -top, top)
 
 
 def to_f64(t: Tensor) -> np.ndarray:

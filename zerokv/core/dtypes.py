@@ -17,13 +17,14 @@ class DType(NamedTuple):
     kind: str  # "float" (partials, outputs), "fp8" (scaled outputs), "index" (offsets), "mask"
     dlpack: tuple[int, int]  # DLPack (type code, bits)
     numpy: str  # the module that names it for numpy: "numpy", or "ml_dtypes" (no numpy type)
+    saturate: float = 0.0  # fp8: the largest finite value, where conversions saturate
 
 
 TABLE = {
     "float16": DType("zk_half", 2, "float", (2, 16), "numpy"),
     "bfloat16": DType("zk_bfloat16", 2, "float", (4, 16), "ml_dtypes"),
     "float32": DType("float", 4, "float", (2, 32), "numpy"),
-    "float8_e4m3fn": DType("zk_fp8_e4m3", 1, "fp8", (10, 8), "ml_dtypes"),
+    "float8_e4m3fn": DType("zk_fp8_e4m3", 1, "fp8", (10, 8), "ml_dtypes", saturate=448.0),
     "int32": DType("int", 4, "index", (0, 32), "numpy"),
     "int64": DType("long long", 8, "index", (0, 64), "numpy"),
     "bool": DType("unsigned char", 1, "mask", (6, 8), "numpy"),
