@@ -61,9 +61,12 @@ def driver() -> _Driver:
 def primary_context(device: int) -> int:
     """The device's primary context (``CUcontext``, as an int)."""
     cupy = _device.import_cupy()
-    with cupy.cuda.Device(device):
-        cupy.cuda.runtime.free(0)  # binds the primary context to this thread
-        return int(cupy.cuda.driver.ctxGetCurrent())
+    with cupy.cuda.Device(device):  # from CUDA 12 this makes the primary context current
+        ctx = int(cupy.cuda.driver.ctxGetCurrent())
+        if not ctx:  # an older runtime: bind it (no allocation; not while a graph captures)
+            cupy.cuda.runtime.free(0)
+            ctx = int(cupy.cuda.driver.ctxGetCurrent())
+        return ctx
 
 
 class Launcher:
