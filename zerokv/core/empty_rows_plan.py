@@ -11,7 +11,6 @@ from typing import Any
 
 from . import binding as _binding
 from . import bound as _bound
-from . import checks as _checks
 from . import cpu_path as _cpu
 from . import device as _device
 from . import dtypes as _dtypes
@@ -20,8 +19,8 @@ from . import forms as _forms
 from . import kernels as _kernels
 from . import plans as _plans
 from . import spec as _spec
+from . import validation as _validation
 from .layout import INT32
-from .tensors import view
 
 _NAMES = {
     _kernels.RULE_KV_LENS_ZERO: ("out", "lse", "cu_seqlens_q", "kv_lens"),
@@ -57,25 +56,14 @@ def _new_plan(f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> 
 
 
 def validate(objs: tuple, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
-    """Every check of an empty-rows call, with the caller's names (out, lse, cu, lens)."""
-    n_out, n_lse, n_cu, n_lens = names
-    t = {n: (None if x is None else view(x, n)) for n, x in zip(names, objs, strict=True)}
-    _checks.one_library_on_gpu(list(t.items()))
-    o = _checks.tensor(t[n_out], n_out, 3, _dtypes.V_IN)
-    T, H, D = o.shape
-    _checks.unit_last_stride(o, n_out)
-    s = _checks.tensor(t[n_lse], n_lse, 2, _dtypes.LSE)
-    _checks.shape(s, n_lse, (T, H), "T, H")
-    device = _checks.same_device([(n_out, o), (n_lse, s)])
-    c = _checks.offsets(t[n_cu], n_cu, device)
-    B = c.shape[0] - 1
-    ln = _checks.index_tensor(
-        t[n_lens], n_lens, B + 1 if rule == _kernels.RULE_CONTEXT_SPAN_EMPTY else B, device
-    )
-    if T >= INT32:
-        raise ValueError(f"{n_out}: T must be below 2^31, got shape {tuple(o.shape)}")
-    _checks.outputs([(n_out, o, ()), (n_lse, s, ())], [(n_cu, c), (n_lens, ln)])
-    return {"out": o, "lse": s, "cu": c, "lens": ln, "device": device}
+    """Every check of an empty-rows call (its spec's), with the caller's names (out, lse, cu,
+    lens)."""
+    spec = _spec.MASK_EMPTY_CONTEXT if rule == _kernels.RULE_CONTEXT_SPAN_EMPTY else _spec.FIXUP_ZERO_KV_ROWS
+    shown = dict(zip((a.name for a in spec.args), names, strict=True))
+    c = _validation.validate(spec, objs, shown)
+    t = c.tensors
+    lens = t["kv_lens"] if "kv_lens" in t else t["cu_seqlens_kv"]
+    return {"out": t["out"], "lse": t["lse"], "cu": t["cu_seqlens_q"], "lens": lens, "device": c.device}
 
 
 _GRID_CACHE_LIMIT = 4096  # distinct (T, H, D) a plan keeps; past it, it starts again

@@ -10,6 +10,8 @@ from typing import Any
 
 from . import checks as _checks
 from . import dtypes as _dtypes
+from . import spec as _spec
+from . import validation as _validation
 from .kernels import QUANT_GROUPS
 from .layout import INT32
 from .tensors import Tensor, view
@@ -147,31 +149,18 @@ def two(
     }  # fmt: skip
 
 
+_STATES = _spec.OpSpec("merge_states", _spec.MERGE_STATES.args)  # its tensors, without the options
+
+
 def n(objs: tuple, base: Any, quant: tuple = (None, "float32")) -> dict[str, Any]:
     """Every check of an N-way merge; ``objs``: (v, s, out, out_lse, out_scale, sinks[,
     out_block_scale]); ``quant``: (quant_group, scale_format)."""
     keys = ("v", "s", "out", "out_lse", "out_scale", "sinks")
     t = _views(objs[:6], keys, keys)
     t_bs = None if len(objs) < 7 or objs[6] is None else view(objs[6], "out_block_scale")
-    vt = _checks.tensor(t["v"], "v", 4, _dtypes.V_IN)
-    N, T, H, D = vt.shape
-    st = _checks.tensor(t["s"], "s", 3, _dtypes.LSE)
-    _checks.shape(st, "s", (N, T, H), "N, T, H")
-    _checks.unit_last_stride(vt, "v")
-    if T >= INT32 or H >= INT32 or N >= INT32:
-        raise ValueError(f"v: N, T and H must be below 2^31, got shape {(N, T, H, D)}")
-    named = [("v", vt), ("s", st)]
-    o = ol = None
-    if t["out"] is not None:
-        o = _checks.tensor(t["out"], "out", 3, _dtypes.V_OUT)
-        _checks.shape(o, "out", (T, H, D), "T, H, D")
-        _checks.unit_last_stride(o, "out")
-        named.append(("out", o))
-    if t["out_lse"] is not None:
-        ol = _checks.tensor(t["out_lse"], "out_lse", 2, _dtypes.LSE)
-        _checks.shape(ol, "out_lse", (T, H), "T, H")
-        named.append(("out_lse", ol))
-    device = _checks.same_device(named)
+    c = _validation.validate(_STATES, objs[:4], limits=("N", "T", "H"))  # the spec's tensor rows
+    vt, st, o, ol = (c.tensors.get(k) for k in keys[:4])
+    N, T, H, D, device = c.sym["N"], c.sym["T"], c.sym["H"], c.sym["D"], c.device
     _checks.lse_base(base)
     sinks = _checks.sinks(t["sinks"], "sinks", H, device) if t["sinks"] is not None else None
     bs = block_scale(t_bs, quant[0], quant[1], o, t["out_scale"], T, H, D, device, {})
