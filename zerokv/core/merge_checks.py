@@ -13,10 +13,10 @@ from . import dtypes as _dtypes
 from . import spec as _spec
 from . import validation as _validation
 from .kernels import QUANT_GROUPS
-from .layout import INT32
 from .tensors import Tensor, view
 
 _NAMES2 = ("v_a", "s_a", "v_b", "s_b", "out", "out_lse")
+_STATE_PAIR = _spec.OpSpec("merge_state", _spec.MERGE_STATE.args)  # its tensors, without the options
 
 
 def _views(objs: tuple, keys: tuple, shown: tuple) -> dict[str, Tensor | None]:
@@ -79,32 +79,9 @@ def two(
     nb = _name(names, "out_block_scale")
     t = _views(objs[:11], keys, shown)
     t_bs = None if len(objs) < 12 or objs[11] is None else view(objs[11], nb)
-    va = _checks.tensor(t["v_a"], n["v_a"], 3, _dtypes.V_IN)
-    T, H, D = va.shape
-    vb = _checks.tensor(t["v_b"], n["v_b"], 3, _dtypes.V_IN)
-    _checks.shape(vb, n["v_b"], (T, H, D), "T, H, D")
-    if vb.dtype != va.dtype:
-        raise TypeError(f"{n['v_b']}: dtype {vb.dtype} differs from {n['v_a']} dtype {va.dtype}")
-    sa = _checks.tensor(t["s_a"], n["s_a"], 2, _dtypes.LSE)
-    sb = _checks.tensor(t["s_b"], n["s_b"], 2, _dtypes.LSE)
-    _checks.shape(sa, n["s_a"], (T, H), "T, H")
-    _checks.shape(sb, n["s_b"], (T, H), "T, H")
-    _checks.unit_last_stride(va, n["v_a"])
-    _checks.unit_last_stride(vb, n["v_b"])
-    if T >= INT32 or H >= INT32:
-        raise ValueError(f"{n['v_a']}: T and H must be below 2^31, got shape {(T, H, D)}")
-    named = [(n["v_a"], va), (n["s_a"], sa), (n["v_b"], vb), (n["s_b"], sb)]
-    o = ol = None
-    if t["out"] is not None:
-        o = _checks.tensor(t["out"], n["out"], 3, _dtypes.V_OUT)
-        _checks.shape(o, n["out"], (T, H, D), "T, H, D")
-        _checks.unit_last_stride(o, n["out"])
-        named.append((n["out"], o))
-    if t["out_lse"] is not None:
-        ol = _checks.tensor(t["out_lse"], n["out_lse"], 2, _dtypes.LSE)
-        _checks.shape(ol, n["out_lse"], (T, H), "T, H")
-        named.append((n["out_lse"], ol))
-    device = _checks.same_device(named)
+    c = _validation.validate(_STATE_PAIR, objs[:6], {k: n[k] for k in _NAMES2}, limits=("T", "H"))
+    va, sa, vb, sb, o, ol = (c.tensors.get(k) for k in _NAMES2)
+    T, H, D, device = c.sym["T"], c.sym["H"], c.sym["D"], c.device
     _checks.lse_base(base)
     _checks.prefix_rows(prefix_rows, T, n["prefix_rows"])
     cu = lens = None

@@ -28,6 +28,8 @@ class Arg:
     unit_inner: bool = False  # the last dim has unit stride (unless it has size 1)
     vector: bool = False  # takes part in the signature's 16-byte vector alignment
     any_shape: bool = False  # any shape of one element (a scalar tensor)
+    same_dtype: str = ""  # the argument whose dtype this one must have
+    optional: bool = False  # may be None (an option's arguments always may)
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ MERGE_STATE = OpSpec(
     (
         Arg("v_a", _STATE, V_IN, ("va", "va_st", "va_sh"), unit_inner=True, vector=True),
         Arg("s_a", ("T", "H"), LSE, ("sa", "sa_st", "sa_sh"), lse=True),
-        Arg("v_b", _STATE, V_IN, ("vb", "vb_st", "vb_sh"), unit_inner=True, vector=True),
+        Arg("v_b", _STATE, V_IN, ("vb", "vb_st", "vb_sh"), unit_inner=True, vector=True, same_dtype="v_a"),
         Arg("s_b", ("T", "H"), LSE, ("sb", "sb_st", "sb_sh"), lse=True),
         Arg(
             "out",
@@ -88,7 +90,8 @@ MERGE_STATE = OpSpec(
             alias=("v_a", "v_b"),
             unit_inner=True,
             vector=True,
-        ),  # fmt: skip
+            optional=True,
+        ),
         Arg(
             "out_lse",
             ("T", "H"),
@@ -97,6 +100,7 @@ MERGE_STATE = OpSpec(
             output=True,
             alias=("s_a", "s_b"),
             lse=True,
+            optional=True,
         ),
     ),
     (
@@ -118,8 +122,17 @@ MERGE_STATES = OpSpec(
     (
         Arg("v", ("N",) + _STATE, V_IN, ("v", "v_sn", "v_st", "v_sh"), unit_inner=True, vector=True),
         Arg("s", ("N", "T", "H"), LSE, ("s", "s_sn", "s_st", "s_sh")),
-        Arg("out", _STATE, V_OUT, ("out", "out_st", "out_sh"), output=True, unit_inner=True, vector=True),
-        Arg("out_lse", ("T", "H"), LSE, ("olse", "ol_st", "ol_sh"), output=True),
+        Arg(
+            "out",
+            _STATE,
+            V_OUT,
+            ("out", "out_st", "out_sh"),
+            output=True,
+            unit_inner=True,
+            vector=True,
+            optional=True,
+        ),  # fmt: skip
+        Arg("out_lse", ("T", "H"), LSE, ("olse", "ol_st", "ol_sh"), output=True, optional=True),
     ),
     (_OUT_SCALE, _SINKS, _BLOCK_SCALE),
 )

@@ -47,12 +47,22 @@ def validate(
     c.sym = dict(sizes or {})
     floats: list[tuple[str, Tensor]] = []
     index: list[tuple[Arg, Tensor]] = []
-    for a, _ in given:
+    required = {a.name for a in spec.args if not a.optional}
+    for a, x in zip(args, objs + (None,) * (len(args) - len(objs)), strict=True):
+        if x is None:
+            if a.name in required:  # a TypeError naming it
+                _checks.tensor(None, name[a.name], len(a.shape), a.dtypes)
+            continue
         t = views[a.name]
         if a.dtypes == _dtypes.INDEX_NAMES:
             index.append((a, t))
             continue
-        c.tensors[a.name] = _tensor(a, t, name[a.name], c.sym)
+        c.tensors[a.name] = t = _tensor(a, t, name[a.name], c.sym)
+        other = c.tensors.get(a.same_dtype) if a.same_dtype else None
+        if other is not None and t.dtype != other.dtype:
+            raise TypeError(
+                f"{name[a.name]}: dtype {t.dtype} differs from {name[a.same_dtype]} dtype {other.dtype}"
+            )
         floats.append((name[a.name], t))
     c.device = _checks.same_device(floats)
     for a, t in index:
