@@ -13,7 +13,7 @@ from typing import Any
 
 from .. import merge as _merge
 from ..core import merge_plans as _merge_plans
-from ..core.tensors import view
+from ..core.tensors import TORCH_FLOAT32, torch_float32, view
 
 _IN_PLACE_NAMES = {"v_a": "v", "s_a": "s", "v_b": "v_other", "s_b": "s_other", "out": "v", "out_lse": "s"}
 _CONVERTED = ("float16", "bfloat16", "float64")
@@ -46,7 +46,7 @@ def merge_state_in_place(v: Any, s: Any, v_other: Any, s_other: Any, mask: Any =
     writes nothing. As in FlashInfer, an ``s`` that is not float32 is read through a float32
     copy and so keeps its old values (only ``v`` is updated).
     """
-    f32 = _torch_float32 or _find_torch_float32()
+    f32 = TORCH_FLOAT32 or torch_float32()
     if (
         f32
         and type(s) is f32[0]
@@ -61,16 +61,6 @@ def merge_state_in_place(v: Any, s: Any, v_other: Any, s_other: Any, mask: Any =
     _merge_plans.two(
         v, s32, v_other, s_other, v, out_lse, 2, None, None, None, None, mask, False, False, _IN_PLACE_NAMES,
     )  # fmt: skip
-
-
-_torch_float32: list = []  # (torch.Tensor, torch.float32) once torch is imported: the common call's test
-
-
-def _find_torch_float32() -> list:
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        _torch_float32[:] = [torch.Tensor, torch.float32]
-    return _torch_float32
 
 
 def merge_states(v: Any, s: Any) -> tuple[Any, Any]:

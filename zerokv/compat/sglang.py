@@ -10,7 +10,7 @@ import numpy as np
 from ..core import empty_rows_plan as _empty_rows_plan
 from ..core import kernels as _kernels
 from ..core import merge_plans as _merge_plans
-from ..core.tensors import view
+from ..core.tensors import TORCH_FLOAT32, torch_float32, view
 
 _MERGE_NAMES = {"out": "v_merged", "out_lse": "s_merged"}
 _FIXUP_NAMES = ("out", "lse", "cum_seq_lens", "kv_lens")  # (out, lse, cu_q, lens)
@@ -32,7 +32,7 @@ def merge_state_v2(
     As SGLang: an LSE of +inf counts as -inf. Unlike SGLang, two empty states give
     ``(0, -inf)``, not NaN. A rejected call writes nothing.
     """
-    f32 = _torch_float32 or _find_torch_float32()
+    f32 = TORCH_FLOAT32 or torch_float32()
     if not (
         f32 and type(s_a) is f32[0] and s_a.dtype is f32[1] and type(s_b) is f32[0] and s_b.dtype is f32[1]
     ):
@@ -40,16 +40,6 @@ def merge_state_v2(
     return _merge_plans.two(
         v_a, s_a, v_b, s_b, v_merged, s_merged, "e", None, None, None, None, None, False, True, _MERGE_NAMES,
     )  # fmt: skip
-
-
-_torch_float32: list = []  # (torch.Tensor, torch.float32) once torch is imported: the common call's test
-
-
-def _find_torch_float32() -> list:
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        _torch_float32[:] = [torch.Tensor, torch.float32]
-    return _torch_float32
 
 
 def _float32(s: Any, arg: str) -> Any:

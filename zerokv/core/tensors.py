@@ -93,6 +93,19 @@ def torch_tensor_type() -> type:
     return torch.Tensor
 
 
+TORCH_FLOAT32: list = []  # [torch.Tensor, torch.float32] once torch is imported
+
+
+def torch_float32() -> list:
+    """``[torch.Tensor, torch.float32]`` once torch is imported, else ``[]``: an adapter's test
+    of a float32 torch LSE by identity (``type(s) is f[0] and s.dtype is f[1]``)."""
+    if not TORCH_FLOAT32:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            TORCH_FLOAT32[:] = [torch.Tensor, torch.float32]
+    return TORCH_FLOAT32
+
+
 def torch_dtype_names() -> dict[Any, str]:
     """torch dtype -> canonical name (``{}`` before torch is imported)."""
     if _TORCH_DTYPES:
