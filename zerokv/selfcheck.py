@@ -2,10 +2,9 @@
 
 Always: each op on the CPU path (numpy in) against attention computed directly over keys split
 into chunks and against closed forms (not against the float64 reference, which the CPU path
-runs). On a GPU: each op per dtype on random data against the reference, with µs and GB/s, and
-an fp8-output merge. Without one: every kernel instantiation compiled through NVRTC for sm_80 and
-sm_90 (the two fp8 conversions), cached so that a second run compiles nothing; with neither a GPU
-nor NVRTC nothing on a GPU path can be checked, and the self-check fails saying what to install.
+runs). On a GPU: each op per dtype against the reference, with µs and GB/s, and an fp8-output
+merge. Without one: every kernel compiled through NVRTC for sm_80 and sm_90 (the two fp8
+conversions), cached; with neither a GPU nor NVRTC the self-check fails saying what to install.
 """
 
 from __future__ import annotations
@@ -44,9 +43,8 @@ HEADER = f"{'op':22s} {'dtype':15s} {'shape':16s} {'max error':>10s} {'limit':>8
 
 
 def gpu_available() -> bool:
-    """Whether a CUDA GPU can run the GPU checks. The driver is asked first, so that a machine
-    without a GPU never imports CuPy (whose import creates its cache directory); a cache
-    directory that cannot be created raises ``CacheDirError`` (an error, not "no GPU")."""
+    """Whether a CUDA GPU can run the GPU checks (the driver asked before CuPy's import, which
+    makes CuPy's cache directory; one that cannot be made raises ``CacheDirError``)."""
     from .core import disk_cache as _cache
     from .core import probe as _probe
 
@@ -65,7 +63,7 @@ def gpu_available() -> bool:
         return False
 
 
-_dist = versions.installed
+_dist = versions.installed  # package metadata (a test stands in for it)
 
 
 def environment() -> tuple[str, list[str]]:

@@ -14,8 +14,10 @@ from typing import Any
 
 from . import bound as B
 from . import dtypes as _dtypes
+from .generic_tensors import generic
 from .layout import INT32, VECTOR_BYTES
-from .spec import OpSpec
+from .spec import Arg, OpSpec
+from .tensors import torch_dtype_names
 
 
 class Table:
@@ -79,15 +81,16 @@ class Table:
             flags = (B.F_OUTPUT if arg.output else 0) | (B.F_UNIT_INNER if arg.unit_inner else 0)
             if arg.lse and lse_ht:
                 flags |= B.F_TRANSPOSE
+            dt = x.dtype if plan.torch else generic(x).dtype  # what a later call's tensor reports
+            dname = torch_dtype_names()[dt] if plan.torch else dt
+            size = _dtypes.itemsize(dname)
             align, w = 1, 1
             if arg.vector:
                 flags |= B.F_ALIGN | B.F_INNER_IN_ALIGN
-                size = _size(x)
                 align, w = width * size, width
-            dt = x.dtype if plan.torch else generic_dtype(x)
             self.dtypes.append(dt)
             self.add(
-                B.OP_TENSOR, slot, len(shape), flags, _dtypes.dlpack_code(_name(dt)), plan.device, _size(x), align,
+                B.OP_TENSOR, slot, len(shape), flags, _dtypes.dlpack_code(dname), plan.device, size, align,
                 *(eqs + [-1] * (4 - len(eqs))), w,
             )  # fmt: skip
             for sym, r in binds:
@@ -120,6 +123,17 @@ class Table:
         for p, r in self.sym.items():
             self.regs.setdefault(p, r)
 
+    def allocated(self, arg: Arg) -> int:
+        """A tensor block for output ``arg`` when the call leaves it None (the op allocates it),
+        its kernel parameters' registers named as the spec names them."""
+        k = self.n_tensors
+        self.n_tensors += 1
+        base = B.tensor_base(k)
+        self.regs[arg.params[0]] = base + B.T_PTR
+        for i, p in enumerate(arg.params[1:]):
+            self.regs[p] = base + B.T_STRIDE + i
+        return k
+
     def positive(self, *names: str) -> None:
         """Each symbol in ``[1, 2^31)`` (zero-size calls take the full path: no launch)."""
         for n in names:
@@ -147,20 +161,6 @@ def family(plan: Any, objs: tuple) -> type | None:
     else:
         plan.tensor_type = _Generic
     return plan.tensor_type
-
-
-def _name(dtype: Any) -> str:
-    return str(dtype).rsplit(".", 1)[-1]
-
-
-def generic_dtype(x: Any) -> str:
-    from .generic_tensors import generic
-
-    return generic(x).dtype
-
-
-def _size(x: Any) -> int:
-    return x.element_size() if hasattr(x, "element_size") else x.itemsize
 
 
 def entry_for(regs: dict, plan: Any, form: Any, launcher: Any, T: int, H: int, D: int) -> B.Entry:

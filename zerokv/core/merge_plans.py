@@ -314,19 +314,19 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
     else:
         t.regs["prefix_rows"] = pr = t.reg()
         t.add(A.OP_SCALAR, 0, pr, A.R_ZERO, T)
-    if "a_batch" in t.sym or "B" in t.sym:
+    if "B" in t.sym:  # a_empty's batch
         t.regs["a_batch"] = t.sym["B"]
     if len(objs) > 11 and objs[11] is not None:  # groups of quant_group values
         g = t.arith(A.A_MUL, t.sym["G"], k=plan.quant_group)
-        t.add(A.OP_EQ, g, t.arith(A.A_MUL, H, t.arith(A.A_MUL, D, k=1)))
+        t.add(A.OP_EQ, g, t.arith(A.A_MUL, H, D))
     t.regs["rows"] = rows = t.arith(A.A_MUL, T, H)
     results, allocators = (4, 5), []
     if objs[4] is None:
-        k = _alloc_block(t, "out")
+        k = t.allocated(_spec.MERGE_STATE.args[4])
         t.add(A.OP_ALLOC, 4, len(allocators), k, 3, T, H, D)
         allocators.append(_allocator(plan, False))
     if objs[5] is None and plan.allocate_lse:
-        k = _alloc_block(t, "out_lse")
+        k = t.allocated(_spec.MERGE_STATE.args[5])
         t.add(A.OP_ALLOC, 5, len(allocators), k, 2, T, H)
         allocators.append(_allocator(plan, True))
     widest = t.arith(A.A_MAX, A.R_WIDEST, t.arith(A.A_MUL, rows, D))
@@ -349,17 +349,6 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
         return _binding.entry_for(regs, plan, form, launcher, T_, rest[0], rest[1])
 
     return t.bound("merge_state", plan, 12, resolve, results, tuple(allocators))
-
-
-def _alloc_block(t: _binding.Table, name: str) -> int:
-    """A tensor block for an output allocated by the call, its parameters' registers named."""
-    k = t.n_tensors
-    t.n_tensors += 1
-    base = _bound.tensor_base(k)
-    params = {"out": ("out", "out_st", "out_sh"), "out_lse": ("olse", "ol_st", "ol_sh")}[name]
-    t.regs[params[0]] = base
-    t.regs[params[1]], t.regs[params[2]] = base + _bound.T_STRIDE, base + _bound.T_STRIDE + 1
-    return k
 
 
 def _allocator(plan: Plan, lse: bool):

@@ -16,7 +16,7 @@ from . import merge_checks as _merge_checks
 from . import plans as _plans
 from . import spec as _spec
 from .layout import INT32
-from .merge_plans import Plan, _alloc_block, _allocator, cpu_outputs, host_only, widest_span
+from .merge_plans import Plan, _allocator, cpu_outputs, host_only, widest_span
 
 
 def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
@@ -159,9 +159,9 @@ def _bind_n(plan: NPlan, objs: tuple) -> _bound.BoundCall | None:
         g = t.arith(A.A_MUL, t.sym["G"], k=plan.group)
         t.add(A.OP_EQ, g, t.arith(A.A_MUL, H, D))
     if objs[2] is None:
-        t.add(A.OP_ALLOC, 2, 0, _alloc_block(t, "out"), 3, T, H, D)
+        t.add(A.OP_ALLOC, 2, 0, t.allocated(_spec.MERGE_STATES.args[2]), 3, T, H, D)
     if objs[3] is None and plan.allocate_lse:
-        t.add(A.OP_ALLOC, 3, 1, _alloc_block(t, "out_lse"), 2, T, H)
+        t.add(A.OP_ALLOC, 3, 1, t.allocated(_spec.MERGE_STATES.args[3]), 2, T, H)
     rows = t.arith(A.A_MUL, T, H)
     widest = t.arith(A.A_MAX, A.R_WIDEST, t.arith(A.A_MUL, rows, D))
     if objs[3] is not None or plan.allocate_lse:

@@ -11,7 +11,7 @@ from these rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from . import dtypes as _dtypes
 
@@ -74,6 +74,11 @@ _BLOCK_SCALE = Option(
     ("bscale", "bs_st", "bs_sg"),
 )
 
+# the merges' outputs, optional (allocated when None)
+_OUT = Arg("out", _STATE, V_OUT, ("out", "out_st", "out_sh"), output=True, unit_inner=True, vector=True,
+           optional=True)  # fmt: skip
+_OUT_LSE = Arg("out_lse", ("T", "H"), LSE, ("olse", "ol_st", "ol_sh"), output=True, optional=True)
+
 MERGE_STATE = OpSpec(
     "merge_state",
     (
@@ -81,27 +86,8 @@ MERGE_STATE = OpSpec(
         Arg("s_a", ("T", "H"), LSE, ("sa", "sa_st", "sa_sh"), lse=True),
         Arg("v_b", _STATE, V_IN, ("vb", "vb_st", "vb_sh"), unit_inner=True, vector=True, same_dtype="v_a"),
         Arg("s_b", ("T", "H"), LSE, ("sb", "sb_st", "sb_sh"), lse=True),
-        Arg(
-            "out",
-            _STATE,
-            V_OUT,
-            ("out", "out_st", "out_sh"),
-            output=True,
-            alias=("v_a", "v_b"),
-            unit_inner=True,
-            vector=True,
-            optional=True,
-        ),
-        Arg(
-            "out_lse",
-            ("T", "H"),
-            LSE,
-            ("olse", "ol_st", "ol_sh"),
-            output=True,
-            alias=("s_a", "s_b"),
-            lse=True,
-            optional=True,
-        ),
+        replace(_OUT, alias=("v_a", "v_b")),
+        replace(_OUT_LSE, alias=("s_a", "s_b"), lse=True),
     ),
     (
         _A_EMPTY,
@@ -122,17 +108,8 @@ MERGE_STATES = OpSpec(
     (
         Arg("v", ("N",) + _STATE, V_IN, ("v", "v_sn", "v_st", "v_sh"), unit_inner=True, vector=True),
         Arg("s", ("N", "T", "H"), LSE, ("s", "s_sn", "s_st", "s_sh")),
-        Arg(
-            "out",
-            _STATE,
-            V_OUT,
-            ("out", "out_st", "out_sh"),
-            output=True,
-            unit_inner=True,
-            vector=True,
-            optional=True,
-        ),  # fmt: skip
-        Arg("out_lse", ("T", "H"), LSE, ("olse", "ol_st", "ol_sh"), output=True, optional=True),
+        _OUT,
+        _OUT_LSE,
     ),
     (_OUT_SCALE, _SINKS, _BLOCK_SCALE),
 )
