@@ -15,7 +15,15 @@ from .. import merge as _merge
 from ..core import merge_plans as _merge_plans
 from ..core.tensors import TORCH_FLOAT32, torch_float32, view
 
-_IN_PLACE_NAMES = {"v_a": "v", "s_a": "s", "v_b": "v_other", "s_b": "s_other", "out": "v", "out_lse": "s"}
+_IN_PLACE_NAMES = {
+    "v_a": "v",
+    "s_a": "s",
+    "v_b": "v_other",
+    "s_b": "s_other",
+    "out": "v",
+    "out_lse": "s",
+    "row_mask": "mask",
+}
 _CONVERTED = ("float16", "bfloat16", "float64")
 
 

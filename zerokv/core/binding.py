@@ -47,9 +47,12 @@ class Table:
     def add(self, *rec: int) -> None:
         self.records.append(rec)
 
-    def args(self, spec: OpSpec, objs: tuple, plan: Any, lse_ht: bool = False) -> None:
+    def args(
+        self, spec: OpSpec, objs: tuple, plan: Any, lse_ht: bool = False, scalars: dict | None = None
+    ) -> None:
         """The records of the spec's tensor arguments as ``objs`` (the signature's first call,
-        fully validated) gives them; absent ones must stay absent."""
+        fully validated) gives them; absent ones must stay absent. ``scalars``: the values of
+        the scalar arguments a shape divides by (fixed by the signature)."""
         absent, outputs = 0, []
         width = VECTOR_BYTES // plan.in_size
         for slot, arg in enumerate(spec.all_args()):
@@ -64,7 +67,7 @@ class Table:
             base = B.tensor_base(k)
             self.tensor[arg.name] = k
             shape = ("1",) * len(x.shape) if arg.any_shape else arg.shape
-            eqs, binds = [], []
+            eqs, binds, divided = [], [], []
             for i, s in enumerate(shape):
                 if s == "1":
                     eqs.append(B.R_ONE)
@@ -72,6 +75,9 @@ class Table:
                     eqs.append(self.arith(B.A_ADD, self.sym[s[:-2]], k=1))
                 elif s.endswith("+1"):  # binds the symbol as this size less one
                     binds.append((s[:-2], base + 1 + i))
+                    eqs.append(-1)
+                elif "/" in s:  # X*Y/scalar: this size times the scalar is X*Y
+                    divided.append((s, base + 1 + i))
                     eqs.append(-1)
                 elif s in self.sym:
                     eqs.append(self.sym[s])
@@ -95,6 +101,12 @@ class Table:
             )  # fmt: skip
             for sym, r in binds:
                 self.sym[sym] = self.arith(B.A_SUB, r, k=1)
+            for s, r in divided:
+                product, scalar = s.split("/")
+                x, *ys = (self.sym[y] for y in product.split("*"))
+                for y in ys:
+                    x = self.arith(B.A_MUL, x, y)
+                self.add(B.OP_EQ, self.arith(B.A_MUL, r, k=scalars[scalar]), x)
             self.regs[arg.params[0]] = base + B.T_PTR
             for i, p in enumerate(arg.params[1:]):
                 self.regs[p] = base + B.T_STRIDE + i
@@ -110,9 +122,11 @@ class Table:
             if arg.name in self.tensor and not arg.output:
                 inputs |= 1 << self.tensor[arg.name]
         seen = inputs
+        given = {o.name for o in spec.options if any(a.name in self.tensor for a in o.args)}
+        no_alias = {x for o in spec.options if o.name in given for x in o.no_alias}
         for k, arg, rank in outputs:
             exact = 0
-            for name in arg.alias:  # an exact alias keeps the element type
+            for name in () if arg.name in no_alias else arg.alias:  # an exact alias keeps the element type
                 j = self.tensor.get(name)
                 if j is not None and self.dtypes[j] == self.dtypes[k]:
                     exact |= 1 << j

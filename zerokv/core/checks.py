@@ -52,7 +52,7 @@ def same_device(named: list[tuple[str, Tensor]]) -> int:
     for name, t in named[1:]:
         if t.device != first.device:
             raise ValueError(
-                f"{name} is on {_where(t.device)} but {first_name} is on {_where(first.device)}; "
+                f"{name} is on {where(t.device)} but {first_name} is on {where(first.device)}; "
                 "all tensors of a call must be on the same device"
             )
     return first.device
@@ -76,7 +76,7 @@ def one_library_on_gpu(named: list[tuple[str, Tensor | None]]) -> None:
         )
 
 
-def _where(device: int) -> str:
+def where(device: int) -> str:
     return "the CPU" if device < 0 else f"cuda:{device}"
 
 
@@ -92,7 +92,7 @@ def index_tensor(x: Any, arg: str, length: int | None, device: int) -> Tensor:
         raise ValueError(f"{arg}: expected {length} entries, got shape {tuple(t.shape)}")
     contiguous_1d(t, arg)
     if t.device != device:
-        raise ValueError(f"{arg} is on {_where(t.device)} but the tensors are on {_where(device)}")
+        raise ValueError(f"{arg} is on {where(t.device)} but the tensors are on {where(device)}")
     return t
 
 
@@ -104,36 +104,10 @@ def offsets(x: Any, arg: str, device: int) -> Tensor:
     return c
 
 
-def offsets_pair(cu: Any, lens: Any, arg: str, device: int, n_cu: str, n_lens: str) -> tuple[Tensor, Tensor]:
-    """``(cu_seqlens_q [B + 1], kv_lens [B])``, one index dtype, on the states' device;
-    ``n_cu``/``n_lens``: how the caller calls the two."""
-    if cu is None or lens is None:
-        missing = n_cu if cu is None else n_lens
-        raise ValueError(f"{arg}: both {n_cu} and {n_lens} are needed; {missing} is None")
-    c = offsets(cu, n_cu, device)
-    ln = index_tensor(lens, n_lens, c.shape[0] - 1, device)
-    if ln.dtype != c.dtype:
-        raise TypeError(
-            f"{n_lens}: dtype {ln.dtype} differs from {n_cu} dtype {c.dtype}; use one index dtype"
-        )
-    return c, ln
-
-
 def pair(x: Any, arg: str) -> tuple[Any, Any]:
     if not isinstance(x, (tuple, list)) or len(x) != 2:
         raise TypeError(f"{arg}: expected a pair (cu_seqlens_q, kv_lens), got {type(x).__name__}")
     return x[0], x[1]
-
-
-def prefix_rows(value: Any, T: int, arg: str) -> None:
-    """None, or a Python or numpy integer in ``[0, T]`` (numpy integers, as plan_context_chunks
-    takes them: a count read from a plan's arrays is one)."""
-    if value is None:
-        return
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{arg}: expected an int or None, got {type(value).__name__} {value!r}")
-    if not 0 <= value <= T:
-        raise ValueError(f"{arg}: expected 0 <= {arg} <= T={T}, got {value}")
 
 
 def sinks(x: Any, arg: str, H: int, device: int) -> Tensor:
@@ -143,7 +117,7 @@ def sinks(x: Any, arg: str, H: int, device: int) -> Tensor:
         raise ValueError(f"{arg}: expected shape ({H},) (H), got {tuple(s.shape)}")
     contiguous_1d(s, arg)
     if s.device != device:
-        raise ValueError(f"{arg} is on {_where(s.device)} but the states are on {_where(device)}")
+        raise ValueError(f"{arg} is on {where(s.device)} but the states are on {where(device)}")
     return s
 
 
@@ -181,7 +155,7 @@ def out_scale(x: Any, out_dtype: str, device: int, arg: str = "out_scale") -> Te
     if t.numel != 1:
         raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
     if t.device != device:
-        raise ValueError(f"{arg} is on {_where(t.device)} but the states are on {_where(device)}")
+        raise ValueError(f"{arg} is on {where(t.device)} but the states are on {where(device)}")
     return t
 
 

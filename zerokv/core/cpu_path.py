@@ -13,30 +13,34 @@ import numpy as np
 from .. import reference
 from . import dtypes as _dtypes
 from .tensors import Tensor
+from .validation import Checked
 
 
-def merge_two(v: dict, o: Tensor, ol: Tensor | None, prefix_rows: int, verbatim: bool) -> None:
-    """A validated two-way merge (``v``: ``merge_checks.two``'s records) into ``o``/``ol``."""
-    T = v["T"]
+def merge_two(c: Checked, o: Tensor, ol: Tensor | None, prefix_rows: int, verbatim: bool) -> None:
+    """A validated two-way merge into ``o``/``ol``."""
+    t = c.tensors
     a_empty_rows = None
-    if v["cu"] is not None:
-        a_empty_rows = reference.rows_with_empty_a(to_f64(v["cu"]), to_f64(v["lens"]), T)
+    if "a_empty" in c.options:
+        a_empty_rows = reference.rows_with_empty_a(
+            to_f64(t["cu_seqlens_q"]), to_f64(t["kv_lens"]), c.sym["T"]
+        )
     res, lse = reference.merge_state(
-        to_f64(v["va"]), to_f64(v["sa"]), to_f64(v["vb"]), to_f64(v["sb"]),
-        lse_base=v["base"], prefix_rows=prefix_rows, a_empty_rows=a_empty_rows,
-        suffix_verbatim=verbatim, sinks=None if v["sinks"] is None else to_f64(v["sinks"]),
+        to_f64(t["v_a"]), to_f64(t["s_a"]), to_f64(t["v_b"]), to_f64(t["s_b"]),
+        lse_base=c.scalars["lse_base"], prefix_rows=prefix_rows, a_empty_rows=a_empty_rows,
+        suffix_verbatim=verbatim, sinks=to_f64(t["sinks"]) if "sinks" in t else None,
     )  # fmt: skip
-    rows = None if v["mask"] is None else to_f64(v["mask"]).astype(bool)
-    write_merged(o, res, v, rows)
+    rows = to_f64(t["row_mask"]).astype(bool) if "row_mask" in t else None
+    write_merged(o, res, c, rows)
     if ol is not None:
         write(ol, lse, rows)
 
 
-def merge_states(v: dict, o: Tensor, ol: Tensor | None) -> None:
-    """A validated N-way merge (``merge_checks.n``'s records) into ``o``/``ol``."""
-    sinks = None if v["sinks"] is None else to_f64(v["sinks"])
-    res, lse = reference.merge_states(to_f64(v["v"]), to_f64(v["s"]), v["base"], sinks)
-    write_merged(o, res, v)
+def merge_states(c: Checked, o: Tensor, ol: Tensor | None) -> None:
+    """A validated N-way merge into ``o``/``ol``."""
+    t = c.tensors
+    sinks = to_f64(t["sinks"]) if "sinks" in t else None
+    res, lse = reference.merge_states(to_f64(t["v"]), to_f64(t["s"]), c.scalars["lse_base"], sinks)
+    write_merged(o, res, c)
     if ol is not None:
         write(ol, lse)
 
@@ -51,15 +55,17 @@ def empty_rows(v: dict, rule_offsets: bool) -> None:
     write(s, new_lse, rows)
 
 
-def write_merged(o: Tensor, res: np.ndarray, v: dict, rows: np.ndarray | None = None) -> None:
+def write_merged(o: Tensor, res: np.ndarray, c: Checked, rows: np.ndarray | None = None) -> None:
     """The merged rows into ``o`` in the call's output format: per-group fp8 with its scales
-    into ``v["block_scale"]`` (``v["quant_group"]``, ``v["scale_format"]``), fp8 with one scale,
-    or the output dtype as it is."""
-    bs = v.get("block_scale")
+    into ``out_block_scale`` (``quant_group``, ``scale_format``), fp8 with one scale, or the
+    output dtype as it is."""
+    bs = c.tensors.get("out_block_scale")
     if bs is None:
-        write(o, scaled(res, v["scale"]), rows)
+        write(o, scaled(res, c.tensors.get("out_scale")), rows)
         return
-    values, scales = reference.fp8_group_scales(res, v["quant_group"], v["scale_format"] == "ue8m0")
+    values, scales = reference.fp8_group_scales(
+        res, c.scalars["quant_group"], c.scalars["scale_format"] == "ue8m0"
+    )
     write(o, values, rows)
     write(bs, scales, rows)
 

@@ -60,7 +60,7 @@ def validate(objs: tuple, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
     lens)."""
     spec = _spec.MASK_EMPTY_CONTEXT if rule == _kernels.RULE_CONTEXT_SPAN_EMPTY else _spec.FIXUP_ZERO_KV_ROWS
     shown = dict(zip((a.name for a in spec.args), names, strict=True))
-    c = _validation.validate(spec, objs, shown)
+    c = _validation.validate(spec, objs, shown=shown)
     t = c.tensors
     lens = t["kv_lens"] if "kv_lens" in t else t["cu_seqlens_kv"]
     return {"out": t["out"], "lse": t["lse"], "cu": t["cu_seqlens_q"], "lens": lens, "device": c.device}

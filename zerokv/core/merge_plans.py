@@ -53,8 +53,9 @@ def _binder(kernel: Any, facts_cls: type) -> Any:
 class Plan:
     """What both merge plans share: the device, element types, constants and form cache."""
 
-    def _setup(self, v: dict, in_dtype: str, o: Any, aligned: bool, torch: bool) -> None:
-        self.device = v["device"]
+    def _setup(self, v: Any, in_dtype: str, o: Any, aligned: bool, torch: bool) -> None:
+        """``v``: the first call's :class:`~zerokv.core.validation.Checked`."""
+        self.device = v.device
         self.in_dtype = in_dtype
         self.out_dtype = o.dtype if o is not None else in_dtype
         self.in_size, self.out_size = _dtypes.itemsize(in_dtype), _dtypes.itemsize(self.out_dtype)
@@ -64,7 +65,7 @@ class Plan:
         self.forms: dict = {}  # (T, H, D, layout) -> the entry of form_entry
         self.intervals: dict = {}  # (H, D, layout) -> (t_breaks, {interval: entry})
         c = self.consts = Consts()
-        c.k, c.inv_k = _checks.LSE_BASES[v["base"]]
+        c.k, c.inv_k = _checks.LSE_BASES[v.scalars["lse_base"]]
         c.suffix_verbatim = c.a_is64 = c.ue8m0 = 0
         self.torch = torch
         self.stream = _device.torch_stream if torch else _device.cupy_stream
@@ -118,8 +119,6 @@ class Plan:
 
 
 # --- two-way -----------------------------------------------------------------------------------
-
-_FEATURES = ("a_empty", "row_mask", "out_scale", "sinks", "group_fp8")
 
 
 def two(
@@ -184,10 +183,11 @@ def _cpu_two(
 ) -> tuple[Any, Any]:
     objs = _th_views(objs, lse_ht, names)
     v = _merge_checks.two(objs, scalars[0], prefix_rows, names, scalars[4:6])
-    host_only(v["device"])
-    T, H, D = v["T"], v["H"], v["D"]
+    host_only(v.device)
+    T, H, D = v.sym["T"], v.sym["H"], v.sym["D"]
+    t = v.tensors
     out, out_lse, o, ol = cpu_outputs(
-        v["va"], objs[4], objs[5], v["out"], v["out_lse"], (T, H, D), scalars[3]
+        t["v_a"], objs[4], objs[5], t.get("out"), t.get("out_lse"), (T, H, D), scalars[3]
     )
     _cpu.merge_two(v, o, ol, T if prefix_rows is None else prefix_rows, scalars[2])
     return out, out_lse
@@ -221,14 +221,14 @@ class TwoPlan(Plan):
         v = _merge_checks.two(
             _th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6]
         )  # every check, once
-        self._setup(v, v["va"].dtype, v["out"], f.sig[-2], f.torch)
-        given = (v["cu"], v["mask"], v["scale"], v["sinks"], v["block_scale"])
-        self.features = frozenset(n for n, x in zip(_FEATURES, given, strict=True) if x is not None)
+        t = v.tensors
+        self._setup(v, t["v_a"].dtype, t.get("out"), f.sig[-2], f.torch)
+        self.features = frozenset(o.feature for o in _spec.MERGE_STATE.options if o.name in v.options)
         self.a_empty = "a_empty" in self.features
         self.consts.suffix_verbatim = int(bool(scalars[2]))
-        self.consts.a_is64 = int(v["cu"] is not None and v["cu"].dtype == "int64")
-        self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
-        self.quant_group = v["quant_group"] if v["block_scale"] is not None else 0
+        self.consts.a_is64 = int(self.a_empty and t["cu_seqlens_q"].dtype == "int64")
+        self.consts.ue8m0 = int(v.scalars["scale_format"] == "ue8m0")
+        self.quant_group = v.scalars.get("quant_group") or 0
         self.idx_size = 8 if self.consts.a_is64 else 4
         self.mask_size = 1
         self.allocate_lse = scalars[3]
@@ -305,7 +305,7 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
     if _binding.family(plan, objs) is None:
         return None
     t = _binding.Table()
-    t.args(_spec.MERGE_STATE, objs, plan, lse_ht)
+    t.args(_spec.MERGE_STATE, objs, plan, lse_ht, {"quant_group": plan.quant_group})
     A = _bound
     T, H, D = t.sym["T"], t.sym["H"], t.sym["D"]
     t.positive("T", "H", "D")
@@ -316,9 +316,6 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
         t.add(A.OP_SCALAR, 0, pr, A.R_ZERO, T)
     if "B" in t.sym:  # a_empty's batch
         t.regs["a_batch"] = t.sym["B"]
-    if len(objs) > 11 and objs[11] is not None:  # groups of quant_group values
-        g = t.arith(A.A_MUL, t.sym["G"], k=plan.quant_group)
-        t.add(A.OP_EQ, g, t.arith(A.A_MUL, H, D))
     t.regs["rows"] = rows = t.arith(A.A_MUL, T, H)
     results, allocators = (4, 5), []
     if objs[4] is None:

@@ -52,9 +52,11 @@ def _quant(scalars: tuple) -> tuple:
 
 def _cpu_n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     v = _merge_checks.n(objs, scalars[0], _quant(scalars))
-    host_only(v["device"])
-    vt = v["v"]
-    out, out_lse, o, ol = cpu_outputs(vt, objs[2], objs[3], v["out"], v["out_lse"], vt.shape[1:], scalars[1])
+    host_only(v.device)
+    t = v.tensors
+    out, out_lse, o, ol = cpu_outputs(
+        t["v"], objs[2], objs[3], t.get("out"), t.get("out_lse"), t["v"].shape[1:], scalars[1]
+    )
     _cpu.merge_states(v, o, ol)
     return out, out_lse
 
@@ -65,12 +67,12 @@ class NPlan(Plan):
 
     def __init__(self, f: _facts.NFacts, scalars: tuple) -> None:
         v = _merge_checks.n(f.objs, scalars[0], _quant(scalars))
-        self._setup(v, v["v"].dtype, v["out"], f.sig[-2], f.torch)
-        self.plain = v["scale"] is None and v["sinks"] is None and v["block_scale"] is None
-        self.group = v["quant_group"] if v["block_scale"] is not None else 0
-        self.no_sinks = v["sinks"] is None
-        self.consts.ue8m0 = int(v["scale_format"] == "ue8m0")
-        self.scale, self.sinks = v["scale"] is not None, v["sinks"] is not None
+        self._setup(v, v.tensors["v"].dtype, v.tensors.get("out"), f.sig[-2], f.torch)
+        self.plain = not v.options
+        self.group = v.scalars.get("quant_group") or 0
+        self.no_sinks = "sinks" not in v.options
+        self.consts.ue8m0 = int(v.scalars["scale_format"] == "ue8m0")
+        self.scale, self.sinks = "out_scale" in v.options, "sinks" in v.options
         self.allocate_lse = scalars[1]
         self.consts.prefix_rows = 0
         self.bound = _bind_n(self, f.objs)
@@ -152,12 +154,9 @@ def _bind_n(plan: NPlan, objs: tuple) -> _bound.BoundCall | None:
         return None
     A = _bound
     t = _binding.Table()
-    t.args(_spec.MERGE_STATES, objs, plan)
+    t.args(_spec.MERGE_STATES, objs, plan, scalars={"quant_group": plan.group})
     N, T, H, D = (t.sym[n] for n in "NTHD")
     t.positive("N", "T", "H", "D")
-    if len(objs) > 6 and objs[6] is not None:  # groups of quant_group values
-        g = t.arith(A.A_MUL, t.sym["G"], k=plan.group)
-        t.add(A.OP_EQ, g, t.arith(A.A_MUL, H, D))
     if objs[2] is None:
         t.add(A.OP_ALLOC, 2, 0, t.allocated(_spec.MERGE_STATES.args[2]), 3, T, H, D)
     if objs[3] is None and plan.allocate_lse:

@@ -1,12 +1,14 @@
 """Each op's call, declared once: its tensor arguments and its options.
 
 An :class:`Arg` names a tensor argument (the caller's name), its shape in symbols (``T``,
-``H``, ``D``, ``N``, ``B`` for requests, ``G`` for groups of a row; ``+1`` after a symbol:
-one more), the dtypes it takes, whether it is an output and what it may alias exactly, and the
-names its pointer and strides have among the kernels' parameters. An :class:`Option` is a row:
-its arguments, the kernel feature it turns on, and the kernel parameters it fills (0 when the
-option is not given). The bound call of a signature (:mod:`zerokv.core.binding`) is derived
-from these rows.
+``H``, ``D``, ``N``, ``B`` for requests; ``+1`` after a symbol: one more; ``H*D/quant_group``:
+a product of symbols divided by a scalar argument), the dtypes it takes, whether it is an output
+and what it may alias exactly, and the names its pointer and strides have among the kernels'
+parameters. A :class:`Scalar` is a non-tensor argument: the values it takes, or an int range.
+An :class:`Option` is a row: its arguments and scalars, the kernel feature it turns on, the
+kernel parameters it fills (0 when the option is not given), and its rules with the other
+options. The full validation (:mod:`zerokv.core.validation`) and the bound call of a signature
+(:mod:`zerokv.core.binding`) are derived from these rows.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from . import dtypes as _dtypes
+from .kernels import QUANT_GROUPS
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,33 @@ class Arg:
 
 
 @dataclass(frozen=True)
+class Scalar:
+    """A non-tensor argument: one of ``values`` (a string matches a string, a number a number
+    of any type but bool; ``exact_int``: a Python int only), said as ``says`` in messages (by
+    default the values), and dividing symbol ``divides``; or, with ``upto``, None or an int
+    (Python or numpy) in ``[0, upto]``. ``required``: an option's scalar given exactly with
+    the option."""
+
+    name: str
+    values: tuple = ()
+    says: str = ""
+    exact_int: bool = False
+    divides: str = ""
+    upto: str = ""
+    required: bool = False
+
+
+@dataclass(frozen=True)
 class Option:
     name: str  # the public keyword
     args: tuple[Arg, ...]
     feature: str  # the kernel feature it turns on ("" for none)
     params: tuple[str, ...]  # kernel parameters that are 0 without it
+    scalars: tuple[Scalar, ...] = ()  # its scalar arguments
+    fp8_scale: bool = False  # scales an fp8 output: such an output takes exactly one of these
+    excludes: tuple[str, ...] = ()  # options it does not combine with
+    no_alias: tuple[str, ...] = ()  # outputs that may alias no input when it is given
+    says: str = ""  # what it is, for messages
 
 
 @dataclass(frozen=True)
@@ -45,9 +70,15 @@ class OpSpec:
     name: str
     args: tuple[Arg, ...]
     options: tuple[Option, ...] = ()
+    scalars: tuple[Scalar, ...] = ()
+    limits: tuple[str, ...] = ("T",)  # symbols below 2^31
+    at_least_one: tuple[tuple[str, str], ...] = ()  # (symbol, what one is): a size of at least 1
 
     def all_args(self) -> tuple[Arg, ...]:
         return self.args + tuple(a for o in self.options for a in o.args)
+
+    def all_scalars(self) -> tuple[Scalar, ...]:
+        return self.scalars + tuple(s for o in self.options for s in o.scalars)
 
 
 V_IN, V_OUT, LSE = _dtypes.V_IN, _dtypes.V_OUT, _dtypes.LSE
@@ -58,21 +89,36 @@ _A_EMPTY = Option(
     "a_empty",
     (
         Arg("cu_seqlens_q", ("B+1",), INDEX, ("a_cu",), unit_inner=True),
-        Arg("kv_lens", ("B",), INDEX, ("a_lens",), unit_inner=True),
+        Arg("kv_lens", ("B",), INDEX, ("a_lens",), unit_inner=True, same_dtype="cu_seqlens_q"),
     ),
     "a_empty",
     ("a_cu", "a_lens", "a_batch"),
 )
 _OUT_SCALE = Option(
-    "out_scale", (Arg("out_scale", ("1",), LSE, ("out_scale",), any_shape=True),), "out_scale", ("out_scale",)
-)
+    "out_scale", (Arg("out_scale", ("1",), LSE, ("out_scale",), any_shape=True),), "out_scale", ("out_scale",),
+    fp8_scale=True,
+)  # fmt: skip
 _SINKS = Option("sinks", (Arg("sinks", ("H",), LSE, ("sinks",), unit_inner=True),), "sinks", ("sinks",))
 _BLOCK_SCALE = Option(
     "out_block_scale",
-    (Arg("out_block_scale", ("T", "G"), LSE, ("bscale", "bs_st", "bs_sg"), output=True),),
+    (Arg("out_block_scale", ("T", "H*D/quant_group"), LSE, ("bscale", "bs_st", "bs_sg"), output=True),),
     "group_fp8",
     ("bscale", "bs_st", "bs_sg"),
+    (
+        Scalar(
+            "quant_group",
+            QUANT_GROUPS,
+            "a power of two from 16 to 128",
+            exact_int=True,
+            divides="D",
+            required=True,
+        ),
+        Scalar("scale_format", ("float32", "ue8m0")),
+    ),  # fmt: skip
+    fp8_scale=True,
+    says="per-group fp8 output",
 )
+_LSE_BASE = Scalar("lse_base", ("e", 2))
 
 # the merges' outputs, optional (allocated when None)
 _OUT = Arg("out", _STATE, V_OUT, ("out", "out_st", "out_sh"), output=True, unit_inner=True, vector=True,
@@ -99,8 +145,10 @@ MERGE_STATE = OpSpec(
         ),  # fmt: skip
         _OUT_SCALE,
         _SINKS,
-        _BLOCK_SCALE,
+        replace(_BLOCK_SCALE, excludes=("a_empty", "row_mask", "sinks"), no_alias=("out_lse",)),
     ),
+    (_LSE_BASE, Scalar("prefix_rows", upto="T")),
+    ("T", "H"),
 )
 
 MERGE_STATES = OpSpec(
@@ -112,6 +160,9 @@ MERGE_STATES = OpSpec(
         _OUT_LSE,
     ),
     (_OUT_SCALE, _SINKS, _BLOCK_SCALE),
+    (_LSE_BASE,),
+    ("N", "T", "H"),
+    (("N", "state"),),
 )
 
 _ROWS = (

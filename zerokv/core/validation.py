@@ -1,90 +1,119 @@
-"""The full validation of an op's tensor arguments, derived from its spec (:mod:`zerokv.core.spec`).
+"""The full validation of an op's call, derived from its spec (:mod:`zerokv.core.spec`).
 
-In the spec's order, each given argument is read (``TypeError`` for what is not a tensor), then
-its rank and dtype, its sizes against the symbols the arguments before it bound (``ValueError``
-naming the symbols), a unit inner stride where the spec asks for one; then one device for the
-float arguments, the offsets (``B+1`` entries, at least one) and lengths (``B``) on it, the
-symbols' 32-bit limits, and the outputs: writable, an address per element, no byte shared with
-another tensor of the call except an exact alias the spec allows. Messages use the caller's
-names (``shown``). What is an op's own (an option's rule, a scalar) stays with the op.
+Each given tensor argument is read (``TypeError`` for what is not a tensor), then the op's own
+arguments in the spec's order: rank and dtype, sizes against the symbols the arguments before
+bound (``ValueError`` naming the symbols), a unit inner stride where the spec asks for one; one
+device for them, the symbols' 32-bit limits; the scalars (their values, ranges and the options
+they belong to); the options' arguments (an option of several: all or none) on that device; the
+options' rules with each other (what they exclude, the one scale of an fp8 output); last the
+outputs: writable, an address per element, no byte shared with another tensor of the call
+except an exact alias the spec allows. Messages use the caller's names (``shown``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from . import checks as _checks
 from . import dtypes as _dtypes
 from .layout import INT32
-from .spec import Arg, OpSpec
+from .spec import Arg, OpSpec, Option, Scalar
 from .tensors import Tensor, view
 
 
 class Checked:
-    """The validated records by the spec's names, the symbols' sizes and the device."""
+    """The validated records by the spec's names, the symbols' sizes, the device, the scalars'
+    values (``lse_base`` as a key of ``checks.LSE_BASES``) and the options given."""
 
-    __slots__ = ("tensors", "sym", "device")
+    __slots__ = ("tensors", "sym", "device", "scalars", "options")
 
     def __init__(self) -> None:
         self.tensors: dict[str, Tensor | None] = {}
         self.sym: dict[str, int] = {}
         self.device = -1
+        self.scalars: dict[str, Any] = {}
+        self.options: frozenset[str] = frozenset()
+
+
+def shown_names(spec: OpSpec, shown: dict[str, str] | None) -> dict[str, str]:
+    """The caller's name of each argument and scalar: ``shown``'s, else the spec's; an argument
+    of an option of several as ``shown["<option>[i]"]``, else ``<option>[i] (<argument>)``."""
+    shown = shown or {}
+    name = {s.name: shown.get(s.name, s.name) for s in spec.all_scalars()}
+    name.update((a.name, shown.get(a.name, a.name)) for a in spec.args)
+    for o in spec.options:
+        name[o.name] = shown.get(o.name, o.name)
+        for i, a in enumerate(o.args):
+            if len(o.args) > 1:
+                name[a.name] = shown.get(f"{o.name}[{i}]") or f"{name[o.name]}[{i}] ({a.name})"
+            else:
+                name[a.name] = shown.get(a.name, a.name)
+    return name
 
 
 def validate(
-    spec: OpSpec, objs: tuple, shown: dict[str, str] | None = None, limits: tuple[str, ...] = ("T",),
-    sizes: dict[str, int] | None = None,
-) -> Checked:  # fmt: skip
-    """Every check of ``spec``'s tensor arguments in ``objs`` (in ``spec.all_args()`` order; an
-    absent one: None). ``shown``: the caller's name of each argument; ``limits``: the symbols
-    that must be below 2^31; ``sizes``: symbols already known (none by default)."""
+    spec: OpSpec, objs: tuple, scalars: dict[str, Any] | None = None, shown: dict[str, str] | None = None
+) -> Checked:
+    """Every check of a call of ``spec``: ``objs`` its tensors (in ``spec.all_args()`` order; an
+    absent one: None), ``scalars`` its scalar arguments by the spec's names, ``shown`` the
+    caller's names."""
     args = spec.all_args()
-    name = {a.name: (shown or {}).get(a.name, a.name) for a in args}
-    given = [(a, x) for a, x in zip(args, objs, strict=False) if x is not None]
-    views = {a.name: view(x, name[a.name]) for a, x in given}
+    objs = objs + (None,) * (len(args) - len(objs))
+    name = shown_names(spec, shown)
+    views = {a.name: view(x, name[a.name]) for a, x in zip(args, objs, strict=True) if x is not None}
     _checks.one_library_on_gpu([(name[a.name], views.get(a.name)) for a in args])
     c = Checked()
-    c.sym = dict(sizes or {})
     floats: list[tuple[str, Tensor]] = []
-    index: list[tuple[Arg, Tensor]] = []
-    required = {a.name for a in spec.args if not a.optional}
-    for a, x in zip(args, objs + (None,) * (len(args) - len(objs)), strict=True):
-        if x is None:
-            if a.name in required:  # a TypeError naming it
+    for a in spec.args:
+        t = views.get(a.name)
+        if t is None:
+            if not a.optional:  # a TypeError naming it
                 _checks.tensor(None, name[a.name], len(a.shape), a.dtypes)
-            continue
-        t = views[a.name]
-        if a.dtypes == _dtypes.INDEX_NAMES:
-            index.append((a, t))
-            continue
-        c.tensors[a.name] = t = _tensor(a, t, name[a.name], c.sym)
-        other = c.tensors.get(a.same_dtype) if a.same_dtype else None
-        if other is not None and t.dtype != other.dtype:
-            raise TypeError(
-                f"{name[a.name]}: dtype {t.dtype} differs from {name[a.same_dtype]} dtype {other.dtype}"
-            )
-        floats.append((name[a.name], t))
+        elif a.dtypes != _dtypes.INDEX_NAMES:
+            c.tensors[a.name] = t = _tensor(a, t, name, c)
+            floats.append((name[a.name], t))
     c.device = _checks.same_device(floats)
-    for a, t in index:
-        c.tensors[a.name] = _offsets(a, t, name[a.name], c.sym, c.device)
-    for s in limits:
+    for a in spec.args:
+        if a.dtypes == _dtypes.INDEX_NAMES:
+            _offsets(a, views[a.name], name, c)
+    for s in spec.limits:
         if c.sym.get(s, 0) >= INT32:
-            first = args[0]
-            shape = tuple(c.tensors[first.name].shape)
-            raise ValueError(f"{name[first.name]}: {', '.join(limits)} must be below 2^31, got shape {shape}")
-    outs = [(name[a.name], c.tensors.get(a.name), tuple(name[x] for x in a.alias)) for a in args if a.output]
-    ins = [(name[a.name], c.tensors.get(a.name)) for a in args if not a.output]
-    _checks.outputs(outs, [(n, t) for n, t in ins if t is not None])
+            first = spec.args[0].name
+            shape = tuple(c.tensors[first].shape)
+            raise ValueError(f"{name[first]}: {', '.join(spec.limits)} must be below 2^31, got shape {shape}")
+    given = frozenset(o.name for o in spec.options if any(a.name in views for a in o.args))
+    c.scalars = _scalars(spec, scalars or {}, given, name, c.sym)
+    for s, what in spec.at_least_one:
+        if c.sym[s] == 0:
+            raise ValueError(
+                f"{name[spec.args[0].name]}: expected at least one {what} ({s} >= 1), got {s} = 0"
+            )
+    for o in spec.options:
+        if o.name in given:
+            _option(o, views, name, c)
+    c.options = given
+    _rules(spec, given, name, c)
+    _outputs(spec, given, name, c)
     return c
 
 
-def _tensor(a: Arg, t: Tensor, nm: str, sym: dict[str, int]) -> Tensor:
+def _tensor(a: Arg, t: Tensor, name: dict[str, str], c: Checked) -> Tensor:
     """Rank, dtype, sizes against the symbols bound before (binding the new ones), unit inner
-    stride."""
+    stride; dtype that of ``a.same_dtype``."""
+    nm, sym = name[a.name], c.sym
+    if a.any_shape:  # one element of any shape
+        _dtypes.require(nm, t.dtype, a.dtypes)
+        if t.numel != 1:
+            raise ValueError(f"{nm}: expected one element, got shape {tuple(t.shape)}")
+        return t
     t = _checks.tensor(t, nm, len(a.shape), a.dtypes)
-    want = [sym.get(s) for s in a.shape]
+    want = [_size(s, c) for s in a.shape]
     if None not in want:
-        _checks.shape(t, nm, tuple(want), ", ".join(a.shape))
+        _checks.shape(
+            t, nm, tuple(want), ", ".join(s.replace("*", " * ").replace("/", " / ") for s in a.shape)
+        )
     else:
         known = [i for i, w in enumerate(want) if w is not None]
         if any(t.shape[i] != want[i] for i in known):
@@ -92,17 +121,145 @@ def _tensor(a: Arg, t: Tensor, nm: str, sym: dict[str, int]) -> Tensor:
                           ", ".join(a.shape))  # fmt: skip
         for s, n in zip(a.shape, t.shape, strict=True):
             sym.setdefault(s, n)
-    if a.unit_inner:
+    if a.unit_inner and len(a.shape) == 1:
+        _checks.contiguous_1d(t, nm)
+    elif a.unit_inner:
         _checks.unit_last_stride(t, nm)
+    other = c.tensors.get(a.same_dtype) if a.same_dtype else None
+    if other is not None and t.dtype != other.dtype:
+        raise TypeError(f"{nm}: dtype {t.dtype} differs from {name[a.same_dtype]} dtype {other.dtype}")
     return t
 
 
-def _offsets(a: Arg, t: Any, nm: str, sym: dict[str, int], device: int) -> Tensor:
-    """Offsets of ``B + 1`` entries (binding ``B``, at least one entry) or lengths of ``B``."""
+def _size(s: str, c: Checked) -> int | None:
+    """A shape entry's size: a bound symbol, or ``X*Y/scalar`` (None: a symbol not bound yet)."""
+    if "/" not in s:
+        return c.sym.get(s)
+    product, scalar = s.split("/")
+    n = 1
+    for x in product.split("*"):
+        n *= c.sym[x]
+    return n // c.scalars[scalar]
+
+
+def _offsets(a: Arg, t: Tensor, name: dict[str, str], c: Checked) -> None:
+    """Offsets of ``B + 1`` entries (binding ``B``, at least one entry) or lengths of ``B``, one
+    index dtype with ``a.same_dtype``, on the call's device."""
     (s,) = a.shape
+    nm, sym = name[a.name], c.sym
     if s.endswith("+1") and s[:-2] not in sym:
-        r = _checks.offsets(t, nm, device)
+        r = _checks.offsets(t, nm, c.device)
         sym[s[:-2]] = r.shape[0] - 1
-        return r
-    n = sym[s[:-2]] + 1 if s.endswith("+1") else sym[s]
-    return _checks.index_tensor(t, nm, n, device)
+    else:
+        r = _checks.index_tensor(t, nm, sym[s[:-2]] + 1 if s.endswith("+1") else sym[s], c.device)
+    other = c.tensors.get(a.same_dtype) if a.same_dtype else None
+    if other is not None and r.dtype != other.dtype:
+        raise TypeError(
+            f"{nm}: dtype {r.dtype} differs from {name[a.same_dtype]} dtype {other.dtype}; use one index dtype"
+        )
+    c.tensors[a.name] = r
+
+
+def _option(o: Option, views: dict[str, Tensor], name: dict[str, str], c: Checked) -> None:
+    """An option's arguments: all of them given, each checked as its row says, on the device."""
+    missing = [a for a in o.args if a.name not in views]
+    if missing:
+        both = " and ".join(name[a.name] for a in o.args)
+        raise ValueError(f"{name[o.name]}: both {both} are needed; {name[missing[0].name]} is None")
+    for a in o.args:
+        if a.dtypes == _dtypes.INDEX_NAMES:
+            _offsets(a, views[a.name], name, c)
+            continue
+        t = c.tensors[a.name] = _tensor(a, views[a.name], name, c)
+        if t.device != c.device:
+            raise ValueError(
+                f"{name[a.name]} is on {_checks.where(t.device)} but the states are on {_checks.where(c.device)}"
+            )
+
+
+def _scalars(spec: OpSpec, values: dict[str, Any], given: frozenset, name: dict, sym: dict) -> dict[str, Any]:
+    """Each scalar's value checked; an option's required scalar given exactly with it."""
+    out = {}
+    for o in spec.options:
+        for s in o.scalars:
+            v = values.get(s.name)
+            if s.required and o.name not in given and v is not None:
+                raise ValueError(f"{name[s.name]}: only meaningful with {name[o.name]}, got {v!r} without it")
+            if s.required and o.name in given and v is None:
+                raise ValueError(f"{name[s.name]}: required with {name[o.name]}")
+            if v is not None or not s.required:
+                out[s.name] = scalar(s, v, name[s.name], sym)
+    for s in spec.scalars:
+        out[s.name] = scalar(s, values.get(s.name), name[s.name], sym)
+    return out
+
+
+def scalar(s: Scalar, v: Any, nm: str, sym: dict[str, int]) -> Any:
+    """``v`` checked against ``s``'s row; returns it (a number of ``s.values`` as its string)."""
+    if s.upto:
+        if v is None:
+            return None
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{nm}: expected an int or None, got {type(v).__name__} {v!r}")
+        if not 0 <= v <= sym[s.upto]:
+            raise ValueError(f"{nm}: expected 0 <= {nm} <= {s.upto}={sym[s.upto]}, got {v}")
+        return v
+    number = not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, float, np.integer, np.floating))
+    for x in s.values:
+        if (type(v) is int if s.exact_int else number) and not isinstance(x, str) and v == x:
+            break
+        if isinstance(x, str) and isinstance(v, str) and v == x:
+            break
+    else:
+        says = s.says or " or ".join(repr(x) for x in s.values)
+        hint = "".join(
+            f" (the number {x}, not a string)" for x in s.values if not isinstance(x, str) and v == str(x)
+        )
+        raise ValueError(f"{nm}: expected {says}{hint}, got {v!r}")
+    if s.divides and sym[s.divides] % v:
+        raise ValueError(f"{nm}: must divide head_dim {sym[s.divides]}, got {v}")
+    return x if isinstance(x, str) or s.exact_int else str(x)
+
+
+def _rules(spec: OpSpec, given: frozenset, name: dict[str, str], c: Checked) -> None:
+    """The options' rules: what each excludes; an fp8 output scaled by exactly one option."""
+    for o in spec.options:
+        if o.name in given and given & set(o.excludes):
+            others = [name[x] for x in o.excludes]
+            listed = ", ".join(others[:-1]) + " or " + others[-1] if len(others) > 1 else others[0]
+            raise ValueError(f"{name[o.name]}: {o.says} does not combine with {listed}")
+    if not any(o.fp8_scale for o in spec.options):
+        return
+    scales = [o.name for o in spec.options if o.fp8_scale and o.name in given]
+    if len(scales) > 1:
+        raise ValueError(f"{' and '.join(name[x] for x in scales)}: give one fp8 scale, not both")
+    out = c.tensors.get("out")
+    first = next((t for t in c.tensors.values() if t is not None), None)
+    out_dtype = out.dtype if out is not None else first.dtype
+    if out_dtype in _dtypes.FP8 and not scales:
+        o = next(o for o in spec.options if o.fp8_scale)
+        raise ValueError(f"{name[o.name]}: required for a {out_dtype} output")
+    if out_dtype not in _dtypes.FP8 and scales:
+        fp8 = " or ".join(_dtypes.FP8)
+        raise ValueError(f"{name[scales[0]]}: only meaningful with a {fp8} output, got a {out_dtype} output")
+
+
+def _outputs(spec: OpSpec, given: frozenset, name: dict[str, str], c: Checked) -> None:
+    """Outputs writable and apart from every other tensor, except the exact aliases the spec
+    allows (none for an output an option given takes them from)."""
+    no_alias = {x: o for o in spec.options if o.name in given for x in o.no_alias}
+    outs, ins = [], []
+    for a in spec.all_args():
+        t = c.tensors.get(a.name)
+        if not a.output:
+            if t is not None:
+                ins.append((name[a.name], t))
+            continue
+        alias = a.alias
+        if a.name in no_alias and t is not None:
+            if any(c.tensors[x].ptr == t.ptr for x in a.alias):
+                shown = " or ".join(name[x] for x in a.alias)
+                raise ValueError(f"{name[a.name]}: may not alias {shown} with {name[no_alias[a.name].name]}")
+            alias = ()
+        outs.append((name[a.name], t, tuple(name[x] for x in alias)))
+    _checks.outputs(outs, ins)
