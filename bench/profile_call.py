@@ -213,8 +213,9 @@ def _load_other(directory: str, cpu: bool) -> tuple[Any, Any]:
         patch(mods["plans"], "launcher", _Counted)
         for attr, value in (("sm_count", 132), ("l2_bytes", 50 << 20), ("torch_stream", 0)):
             patch(mods["device"], attr, lambda d, v=value: v)
-        for attr in ("read_two", "read_n", "read_rows"):
-            patch(mods["facts"], attr, _on_device(getattr(mods["facts"], attr)))
+        for attr in ("read", "read_two", "read_n", "read_rows"):  # the readers of either version
+            if hasattr(mods["facts"], attr):
+                patch(mods["facts"], attr, _on_device(getattr(mods["facts"], attr)))
         try:
             yield
         finally:

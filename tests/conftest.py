@@ -219,8 +219,7 @@ def recorded(monkeypatch):
     monkeypatch.setattr(_device, "l2_bytes", lambda device: 50 << 20)
     monkeypatch.setattr(_device, "torch_stream", lambda device: 0)
     monkeypatch.setattr(_device, "cupy_stream", lambda device: 0)
-    for name in ("read_two", "read_n", "read_rows"):
-        monkeypatch.setattr(_facts, name, _on_device(getattr(_facts, name)))
+    monkeypatch.setattr(_facts, "read", _on_device(_facts.read))
     yield log
     _plans.clear_cache()
 

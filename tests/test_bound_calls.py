@@ -88,8 +88,7 @@ def counted(recorded, monkeypatch):
     monkeypatch.setattr(merge_checks, "two", count(merge_checks.two, "validate"))
     monkeypatch.setattr(merge_checks, "n", count(merge_checks.n, "validate"))
     monkeypatch.setattr(empty_rows_plan, "validate", count(empty_rows_plan.validate, "validate"))
-    for name in ("read_two", "read_n", "read_rows"):
-        monkeypatch.setattr(facts, name, count(getattr(facts, name), "facts"))
+    monkeypatch.setattr(facts, "read", count(facts.read, "facts"))
     return recorded, seen
 
 

@@ -1,6 +1,6 @@
 """The readers' facts against the tensors and the one home of alignment (core/layout.py).
 
-``facts.read_two`` / ``read_n`` / ``read_rows`` read a signature's first call and the calls its
+``facts.read`` of each op's spec reads a signature's first call and the calls its
 generated call does not take: random strided layouts, offsets and LSE orientations are read and
 each pointer and stride, and the signature's alignment, compared with the tensors and
 ``layout.aligned``. (The generated calls' byte ends: tests/test_generated_calls.py.)
@@ -15,6 +15,7 @@ import torch
 
 from zerokv.core import facts as _facts
 from zerokv.core import layout as _layout
+from zerokv.core import spec as _spec
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -51,7 +52,7 @@ def test_read_two_reads_each_tensor_and_its_alignment_is_layout_aligned(seed):
         return _lse(rng, T, H, ht, rng.choice((0, 3)), rng.choice((0, 1)))
 
     va, vb, out, sa, sb, ol = v(), v(), v(), s(), s(), s()
-    f = _facts.read_two((va, sa, vb, sb, out, ol, None, None, None, None, None), ht)
+    f = _facts.read(_spec.MERGE_STATE, (va, sa, vb, sb, out, ol, None, None, None, None, None), ht)
     for name, t in (("va", va), ("vb", vb), ("out", out)):
         assert (getattr(f, name), getattr(f, f"{name}_st"), getattr(f, f"{name}_sh")) == (
             t.data_ptr(),
@@ -81,13 +82,13 @@ def test_read_n_and_read_rows_alignment_is_layout_aligned(seed):
     v = torch.randn(off + N * T * H * (D + 8) + 8).to(dtype)
     v = v.as_strided((N, T, H, D), (T * H * (D + 8), H * (D + 8), D + 8, 1), off)
     s = torch.randn(N, T, H)
-    f = _facts.read_n((v, s, None, None, None, None))
+    f = _facts.read(_spec.MERGE_STATES, (v, s, None, None, None, None))
     w = _layout.vec(v.element_size())
     st = v.stride()
     assert f.sig[-2] == _layout.aligned(v.data_ptr(), v.element_size(), w, st[0] | st[1] | st[2] | D)
     assert (f.v, f.v_sn, f.v_st, f.v_sh, f.s_sn, f.s_st, f.s_sh) == (v.data_ptr(), *st[:3], *s.stride())
     out = _strided(rng, T, H, D, dtype, rng.choice((0, 8, 3)), 0, off)
     cu, lens = torch.tensor([0, T], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
-    r = _facts.read_rows((out, torch.randn(T, H), cu, lens))
+    r = _facts.read(_spec.FIXUP_ZERO_KV_ROWS, (out, torch.randn(T, H), cu, lens))
     want = _layout.aligned(out.data_ptr(), out.element_size(), w, out.stride(0) | out.stride(1) | D)
     assert r.sig[-2] == want and (r.out_st, r.out_sh, r.batch) == (*out.stride()[:2], 1)

@@ -133,8 +133,7 @@ def record_launches(
         patch(_device, "l2_bytes", lambda device: l2_bytes)
         patch(_device, "torch_stream", lambda device: 0)
         patch(_device, "cupy_stream", lambda device: 0)
-        for name in ("read_two", "read_n", "read_rows"):
-            patch(_facts, name, _on_device(getattr(_facts, name)))
+        patch(_facts, "read", _on_device(_facts.read))
         name = executor or _executor.choose()[0]
         log.executor = name
         module = _executor.module_of(name)

@@ -136,6 +136,8 @@ class Table:
         self.add(B.OP_CHECK, B.R_MISALIGN, int(plan.vec == 1))
         for p, r in self.sym.items():
             self.regs.setdefault(p, r)
+        for p, s in spec.sym_params:  # a symbol's size as a kernel parameter (0 when not bound)
+            self.regs[p] = self.sym.get(s, B.R_ZERO)
 
     def allocated(self, arg: Arg) -> int:
         """A tensor block for output ``arg`` when the call leaves it None (the op allocates it),

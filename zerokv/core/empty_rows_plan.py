@@ -22,6 +22,10 @@ from . import spec as _spec
 from . import validation as _validation
 from .layout import INT32
 
+_SPECS = {
+    _kernels.RULE_KV_LENS_ZERO: _spec.FIXUP_ZERO_KV_ROWS,
+    _kernels.RULE_CONTEXT_SPAN_EMPTY: _spec.MASK_EMPTY_CONTEXT,
+}
 _NAMES = {
     _kernels.RULE_KV_LENS_ZERO: ("out", "lse", "cu_seqlens_q", "kv_lens"),
     _kernels.RULE_CONTEXT_SPAN_EMPTY: ("out", "lse", "cu_seqlens_q", "cu_seqlens_kv"),
@@ -36,7 +40,7 @@ def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
     done, calls = _plans.recent_call(key, objs, ())  # the bound calls of the signatures met last
     if done:
         return
-    f = _facts.read_rows(objs)
+    f = _facts.read(_SPECS[rule], objs)
     if f is None or f.device < 0:
         v = validate(objs, rule, names or _NAMES[rule])
         if v["device"] >= 0:  # pragma: no cover - every unreadable argument fails validation
@@ -51,14 +55,14 @@ def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
 python_run = run  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
-def _new_plan(f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> Plan:
+def _new_plan(f: Any, rule: int, names: tuple[str, ...] | None) -> Plan:
     return _plans.lookup(("empty_rows", rule, f.sig), lambda: Plan(f, rule, names or _NAMES[rule]))
 
 
 def validate(objs: tuple, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
     """Every check of an empty-rows call (its spec's), with the caller's names (out, lse, cu,
     lens)."""
-    spec = _spec.MASK_EMPTY_CONTEXT if rule == _kernels.RULE_CONTEXT_SPAN_EMPTY else _spec.FIXUP_ZERO_KV_ROWS
+    spec = _SPECS[rule]
     shown = dict(zip((a.name for a in spec.args), names, strict=True))
     c = _validation.validate(spec, objs, shown=shown)
     t = c.tensors
@@ -76,7 +80,7 @@ class Consts:
 class Plan:
     """Every call of one empty-rows signature: the instantiation and the offsets' widths."""
 
-    def __init__(self, f: _facts.RowsFacts, rule: int, names: tuple[str, ...]) -> None:
+    def __init__(self, f: Any, rule: int, names: tuple[str, ...]) -> None:
         v = validate(f.objs, rule, names)
         o = v["out"]
         self.device = v["device"]
@@ -88,7 +92,7 @@ class Plan:
         self.lens_extra = int(rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         targs = (_dtypes.ctype(o.dtype), self.vec, rule, int(self.lens_size == 8))
         self.launcher = _plans.launcher(_kernels.EMPTY_ROWS, targs, self.device)
-        self.bind = _kernels.EMPTY_ROWS.binder(("f", _facts.RowsFacts), ("c", Consts))
+        self.bind = _kernels.EMPTY_ROWS.binder(("f", _facts.record(_SPECS[rule])), ("c", Consts))
         self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
         self.out_size = _dtypes.itemsize(o.dtype)
         self.stream = _device.torch_stream if f.torch else _device.cupy_stream
@@ -97,13 +101,14 @@ class Plan:
         self.in_size = self.out_size
         self.bound = _bind(self, f.objs, rule, targs)
 
-    def slow(self, f: _facts.RowsFacts, rule: int, names: tuple[str, ...] | None) -> None:
+    def slow(self, f: Any, rule: int, names: tuple[str, ...] | None) -> None:
         """A call the bound call did not take: the full checks (raising with the caller's
         names), then the launch."""
         validate(f.objs, rule, names or _NAMES[rule])
         T, H, D = f.T, f.H, f.D
         if f.batch == 0 or T * H == 0:
             return
+        f.flat = int(f.out_sh == D and f.out_st == H * D)
         grid = self.grids.get((T, H, D)) or self.grid(T, H, D)
         self.launcher.launch(grid, 1, self.stream(self.device), self.bind, f, self.consts)
 
@@ -122,14 +127,13 @@ def _bind(plan: Plan, objs: tuple, rule: int, targs: tuple) -> _bound.BoundCall 
         return None
     A = _bound
     t = _binding.Table()
-    spec = _spec.MASK_EMPTY_CONTEXT if rule == _kernels.RULE_CONTEXT_SPAN_EMPTY else _spec.FIXUP_ZERO_KV_ROWS
+    spec = _SPECS[rule]
     t.args(spec, objs, plan)
     T, H, D = t.sym["T"], t.sym["H"], t.sym["D"]
     t.add(A.OP_RANGE, T, 0, INT32)
     t.add(A.OP_DONE_IF_ZERO, t.arith(A.A_MUL, t.arith(A.A_MUL, T, H), t.sym["B"]))
     t.add(A.OP_RANGE, D, 1, INT32)
     regs = dict(t.regs)
-    regs["batch"] = t.sym["B"]
     hd = t.arith(A.A_MUL, H, D)
     regs["flat"] = t.arith(A.A_AND, t.arith(A.A_EQ, regs["out_sh"], D), t.arith(A.A_EQ, regs["out_st"], hd))
     t.add(A.OP_KEY, T, 2, H, D)

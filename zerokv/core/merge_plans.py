@@ -151,7 +151,7 @@ def two(
         raise
     if r is not None:
         return r
-    f = _facts.read_two(objs, lse_ht is not None)
+    f = _facts.read(_spec.MERGE_STATE, objs, lse_ht is not None)
     if f is None or f.device < 0:
         return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
     plan = _plans.get((scalars, f.sig)) or _new_plan(f, scalars, prefix_rows, names, lse_ht)
@@ -162,7 +162,7 @@ def two(
 python_two = two  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
-def _new_plan(f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: Any, lse_ht: Any) -> TwoPlan:
+def _new_plan(f: Any, scalars: tuple, prefix_rows: Any, names: Any, lse_ht: Any) -> TwoPlan:
     """The plan of a signature met for the first time (built once, under the plans' lock)."""
     return _plans.lookup((scalars, f.sig), lambda: TwoPlan(f, scalars, prefix_rows, names, lse_ht))
 
@@ -215,9 +215,7 @@ class TwoPlan(Plan):
     """Every call of one two-way merge signature: element types, vector width, features,
     constants, and the forms met so far by (T, H, D, layout)."""
 
-    def __init__(
-        self, f: _facts.TwoFacts, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any
-    ) -> None:
+    def __init__(self, f: Any, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any) -> None:
         v = _merge_checks.two(
             _th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6]
         )  # every check, once
@@ -234,7 +232,7 @@ class TwoPlan(Plan):
         self.allocate_lse = scalars[3]
         self.bound = _bind_two(self, f.objs, lse_ht is not None, scalars[1])
 
-    def slow(self, f: _facts.TwoFacts, prefix_rows: Any, names: dict | None, scalars: tuple, lse_ht: Any):
+    def slow(self, f: Any, prefix_rows: Any, names: dict | None, scalars: tuple, lse_ht: Any):
         """A call the bound call did not take: the full checks (raising with the caller's
         names), then the exact widths of any layout they accept, then the launch."""
         _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6])
@@ -243,7 +241,7 @@ class TwoPlan(Plan):
         widest, s32 = _exact_two(f, self)
         return self.finish(f, f.objs[4], f.objs[5], widest < INT32, s32)
 
-    def finish(self, f: _facts.TwoFacts, out: Any, out_lse: Any, fits: bool, s32: bool) -> tuple[Any, Any]:
+    def finish(self, f: Any, out: Any, out_lse: Any, fits: bool, s32: bool) -> tuple[Any, Any]:
         """The checked call's outputs (those left None allocated), its form, pack, launch."""
         T, H, D = f.T, f.H, f.D
         if out is None or (out_lse is None and self.allocate_lse):
@@ -269,10 +267,10 @@ class TwoPlan(Plan):
             T, H, D, self.vec, self.in_dtype, self.out_dtype, self.features, inplace, fits, s32, tiles,
             bool(self.consts.a_is64), self.quant_group, key[7:] == (True,),  # a_empty past the window
         )  # fmt: skip
-        return _forms.merge_two(c, self.dev, self.ctypes), _facts.TwoFacts, None
+        return _forms.merge_two(c, self.dev, self.ctypes), _facts.record(_spec.MERGE_STATE), None
 
 
-def _exact_two(f: _facts.TwoFacts, plan: TwoPlan) -> tuple[int, bool]:
+def _exact_two(f: Any, plan: TwoPlan) -> tuple[int, bool]:
     """The widest span in elements and whether every stride fits 32 bits, for a call the
     full checks accepted (any layout, any sign of stride)."""
     T, H, D = f.T, f.H, f.D
@@ -314,8 +312,6 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
     else:
         t.regs["prefix_rows"] = pr = t.reg()
         t.add(A.OP_SCALAR, 0, pr, A.R_ZERO, T)
-    if "B" in t.sym:  # a_empty's batch
-        t.regs["a_batch"] = t.sym["B"]
     t.regs["rows"] = rows = t.arith(A.A_MUL, T, H)
     results, allocators = (4, 5), []
     if objs[4] is None:

@@ -30,7 +30,7 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
         raise
     if r is not None:
         return r
-    f = _facts.read_n(objs)
+    f = _facts.read(_spec.MERGE_STATES, objs)
     if f is None or f.device < 0:
         return _cpu_n(objs, scalars)
     plan = _plans.get(("n", scalars, f.sig)) or _new_plan(f, scalars)
@@ -41,7 +41,7 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
 python_n = n  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
-def _new_plan(f: _facts.NFacts, scalars: tuple) -> NPlan:
+def _new_plan(f: Any, scalars: tuple) -> NPlan:
     return _plans.lookup(("n", scalars, f.sig), lambda: NPlan(f, scalars))
 
 
@@ -65,7 +65,7 @@ class NPlan(Plan):
     """Every call of one merge_states signature; N = 2 without sinks or fp8 scale takes
     merge_state's flat forms (they move the data faster than the N-way loop)."""
 
-    def __init__(self, f: _facts.NFacts, scalars: tuple) -> None:
+    def __init__(self, f: Any, scalars: tuple) -> None:
         v = _merge_checks.n(f.objs, scalars[0], _quant(scalars))
         self._setup(v, v.tensors["v"].dtype, v.tensors.get("out"), f.sig[-2], f.torch)
         self.plain = not v.options
@@ -77,7 +77,7 @@ class NPlan(Plan):
         self.consts.prefix_rows = 0
         self.bound = _bind_n(self, f.objs)
 
-    def slow(self, f: _facts.NFacts, scalars: tuple) -> tuple[Any, Any]:
+    def slow(self, f: Any, scalars: tuple) -> tuple[Any, Any]:
         """A call the bound call did not take: the full checks (raising with the caller's
         names), the exact widths of any layout they accept, then the launch."""
         _merge_checks.n(f.objs, scalars[0], _quant(scalars))
@@ -107,21 +107,21 @@ class NPlan(Plan):
                 raise ValueError(
                     "out_block_scale: no kernel form takes this call (unaligned, past 2^31 elements)"
                 )
-            return form, _facts.TwoFacts, partial(_as_two, self.in_size)
+            return form, _facts.record(_spec.MERGE_STATE), partial(_as_two, self.in_size)
         if N == 2 and self.plain and D:
             c = _forms.MergeCall(
                 T, H, D, self.vec, self.in_dtype, self.out_dtype, frozenset(), False, fits, s32, tiles
             )
             form = _forms.flat_family(c, self.dev, self.ctypes)
             if form is not None:
-                return form, _facts.TwoFacts, partial(_as_two, self.in_size)
+                return form, _facts.record(_spec.MERGE_STATE), partial(_as_two, self.in_size)
         form = _forms.merge_states(N, T, H, D, self.vec, self.dev, (*self.ctypes, self.vec), self.group)
-        return form, _facts.NFacts, None
+        return form, _facts.record(_spec.MERGE_STATES), None
 
 
-def _as_two(isz: int, f: _facts.NFacts) -> _facts.TwoFacts:
+def _as_two(isz: int, f: Any) -> Any:
     """States 0 and 1 of a two-state merge_states as a two-way merge's facts."""
-    t = _facts.TwoFacts()
+    t = _facts.record(_spec.MERGE_STATE)()
     t.va, t.va_st, t.va_sh = f.v, f.v_st, f.v_sh
     t.vb, t.vb_st, t.vb_sh = f.v + f.v_sn * isz, f.v_st, f.v_sh
     t.sa, t.sa_st, t.sa_sh = f.s, f.s_st, f.s_sh
@@ -133,15 +133,15 @@ def _as_two(isz: int, f: _facts.NFacts) -> _facts.TwoFacts:
     return t
 
 
-def _exact_n(f: _facts.NFacts, plan: NPlan) -> tuple[int, bool]:
+def _exact_n(f: Any, plan: NPlan) -> tuple[int, bool]:
     N, T, H, D = f.N, f.T, f.H, f.D
     tensors = [
         (f.v, (N, T, H, D), (f.v_sn, f.v_st, f.v_sh, 1), plan.in_size),
         (f.s, (N, T, H), (f.s_sn, f.s_st, f.s_sh), 4),
     ]
-    if f.out_shape is not None:
+    if f.objs[2] is not None:
         tensors.append((f.out, (T, H, D), (f.out_st, f.out_sh, 1), plan.out_size))
-    if f.ol_shape is not None:
+    if f.objs[3] is not None:
         tensors.append((f.olse, (T, H), (f.ol_st, f.ol_sh), 4))
     return widest_span(tensors, T * H * max(D, 1))
 

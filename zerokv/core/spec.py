@@ -73,6 +73,8 @@ class OpSpec:
     scalars: tuple[Scalar, ...] = ()
     limits: tuple[str, ...] = ("T",)  # symbols below 2^31
     at_least_one: tuple[tuple[str, str], ...] = ()  # (symbol, what one is): a size of at least 1
+    sym_params: tuple[tuple[str, str], ...] = ()  # (kernel parameter, symbol): a size as a parameter
+    derived: tuple[str, ...] = ()  # kernel parameters the op's plan computes
 
     def all_args(self) -> tuple[Arg, ...]:
         return self.args + tuple(a for o in self.options for a in o.args)
@@ -149,6 +151,8 @@ MERGE_STATE = OpSpec(
     ),
     (_LSE_BASE, Scalar("prefix_rows", upto="T")),
     ("T", "H"),
+    sym_params=(("a_batch", "B"),),
+    derived=("rows", "prefix_rows"),
 )
 
 MERGE_STATES = OpSpec(
@@ -170,9 +174,12 @@ _ROWS = (
     Arg("lse", ("T", "H"), LSE, ("lse", "lse_st", "lse_sh"), output=True),
     Arg("cu_seqlens_q", ("B+1",), INDEX, ("cu_q",), unit_inner=True),
 )
+_ROWS_PARAMS = {"sym_params": (("batch", "B"),), "derived": ("flat",)}  # flat: out is [T, H * D] compact
 FIXUP_ZERO_KV_ROWS = OpSpec(
-    "fixup_zero_kv_rows", _ROWS + (Arg("kv_lens", ("B",), INDEX, ("lens",), unit_inner=True),)
+    "fixup_zero_kv_rows", _ROWS + (Arg("kv_lens", ("B",), INDEX, ("lens",), unit_inner=True),), **_ROWS_PARAMS
 )
 MASK_EMPTY_CONTEXT = OpSpec(
-    "mask_empty_context", _ROWS + (Arg("cu_seqlens_kv", ("B+1",), INDEX, ("lens",), unit_inner=True),)
+    "mask_empty_context",
+    _ROWS + (Arg("cu_seqlens_kv", ("B+1",), INDEX, ("lens",), unit_inner=True),),
+    **_ROWS_PARAMS,
 )
