@@ -109,17 +109,10 @@ def _tensor(a: Arg, t: Tensor, name: dict[str, str], c: Checked) -> Tensor:
             raise ValueError(f"{nm}: expected one element, got shape {tuple(t.shape)}")
         return t
     t = _checks.tensor(t, nm, len(a.shape), a.dtypes)
-    want = [_size(s, c) for s in a.shape]
-    if None not in want:
-        _checks.shape(
-            t, nm, tuple(want), ", ".join(s.replace("*", " * ").replace("/", " / ") for s in a.shape)
-        )
-    else:
-        known = [i for i, w in enumerate(want) if w is not None]
-        if any(t.shape[i] != want[i] for i in known):
-            _checks.shape(t, nm, tuple(w if w is not None else t.shape[i] for i, w in enumerate(want)),
-                          ", ".join(a.shape))  # fmt: skip
-        for s, n in zip(a.shape, t.shape, strict=True):
+    want = tuple(n if w is None else w for w, n in zip((_size(s, c) for s in a.shape), t.shape, strict=True))
+    _checks.shape(t, nm, want, ", ".join(s.replace("*", " * ").replace("/", " / ") for s in a.shape))
+    for s, n in zip(a.shape, t.shape, strict=True):  # the symbols it binds
+        if s.isidentifier():
             sym.setdefault(s, n)
     if a.unit_inner and len(a.shape) == 1:
         _checks.contiguous_1d(t, nm)
