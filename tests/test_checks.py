@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from zerokv import merge
 from zerokv.core import checks as _checks
+from zerokv.core import spec, validation
 from zerokv.core.tensors import Tensor, view
 
 GPU_PTR = 0x7F00_0000_0000  # a device-like address: nothing at it is ever read
@@ -329,19 +331,27 @@ def test_expanded_outputs_are_refused():
 # --- small checks kept from before -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value, expected", [("e", "e"), (2, "2"), (2.0, "2")])
+_LSE_BASE = next(x for x in spec.MERGE_STATE.scalars if x.name == "lse_base")
+
+
+@pytest.mark.parametrize("value, expected", [("e", "e"), (2, "2"), (2.0, "2"), (np.float32(2), "2")])
 def test_lse_base_accepts(value, expected):
-    assert _checks.lse_base(value) == expected
+    assert validation.scalar(_LSE_BASE, value, "lse_base", {}) == expected
 
 
 @pytest.mark.parametrize("value", [10, "ten", None, True, 2.5, "log2", "E", "2"])
 def test_lse_base_refuses(value):
     with pytest.raises(ValueError, match="lse_base"):
-        _checks.lse_base(value)
+        validation.scalar(_LSE_BASE, value, "lse_base", {})
 
 
 def test_out_scale_names_the_callers_argument():
+    g = torch.Generator().manual_seed(5)
+    v_a, v_b, s_a, s_b = (torch.randn(shape, generator=g) for shape in ((3, 2, 8), (3, 2, 8), (3, 2), (3, 2)))
+    names = {"out_scale": "output_scale"}
+    out = torch.full((3, 2, 8), float("nan"), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="output_scale: only meaningful with a float8_e4m3fn output"):
-        _checks.out_scale(torch.ones(1), "bfloat16", -1, "output_scale")
+        merge.merge_two(v_a, s_a, v_b, s_b, out, out_scale=torch.ones(1), names=names)
+    assert out.isnan().all()
     with pytest.raises(ValueError, match="output_scale: required"):
-        _checks.out_scale(None, "float8_e4m3fn", -1, "output_scale")
+        merge.merge_two(v_a, s_a, v_b, s_b, torch.zeros(3, 2, 8).to(torch.float8_e4m3fn), names=names)

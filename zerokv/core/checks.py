@@ -110,53 +110,9 @@ def pair(x: Any, arg: str) -> tuple[Any, Any]:
     return x[0], x[1]
 
 
-def sinks(x: Any, arg: str, H: int, device: int) -> Tensor:
-    """Attention-sink logits: float32 ``[H]``, contiguous, on the states' device."""
-    s = tensor(x, arg, 1, _dtypes.LSE)
-    if s.shape[0] != H:
-        raise ValueError(f"{arg}: expected shape ({H},) (H), got {tuple(s.shape)}")
-    contiguous_1d(s, arg)
-    if s.device != device:
-        raise ValueError(f"{arg} is on {where(s.device)} but the states are on {where(device)}")
-    return s
-
-
 _LOG2E = 1.4426950408889634
 # lse_base's answer -> (k, 1 / k): the kernels take base^x as exp2(x * k)
 LSE_BASES = {"e": (_LOG2E, 1.0 / _LOG2E), "2": (1.0, 1.0)}
-
-
-def lse_base(value: Any, arg: str = "lse_base") -> str:
-    """The documented bases only: ``"e"`` (natural log) or the number 2 (base-2 LSE, as
-    FlashInfer / trtllm-gen produce); answers ``"e"`` or ``"2"`` (the key of LSE_BASES)."""
-    if isinstance(value, str) and value == "e":
-        return "e"
-    if (
-        not isinstance(value, (bool, np.bool_))
-        and isinstance(value, (int, float, np.integer, np.floating))
-        and value == 2
-    ):
-        return "2"
-    hint = " (the number 2, not a string)" if value == "2" else ""
-    raise ValueError(f"{arg}: expected 'e' or 2{hint}, got {value!r}")
-
-
-def out_scale(x: Any, out_dtype: str, device: int, arg: str = "out_scale") -> Tensor | None:
-    """The fp8 output scale: one float32 element on the states' device, given exactly when the
-    output is float8_e4m3fn."""
-    if out_dtype in _dtypes.FP8 and x is None:
-        raise ValueError(f"{arg}: required for a {out_dtype} output")
-    if x is None:
-        return None
-    if out_dtype not in _dtypes.FP8:
-        raise ValueError(f"{arg}: only meaningful with a float8_e4m3fn output, got a {out_dtype} output")
-    t = x if isinstance(x, Tensor) else view(x, arg)
-    _dtypes.require(arg, t.dtype, _dtypes.LSE)
-    if t.numel != 1:
-        raise ValueError(f"{arg}: expected one element, got shape {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{arg} is on {where(t.device)} but the states are on {where(device)}")
-    return t
 
 
 # --- memory overlap ---------------------------------------------------------------------------

@@ -183,3 +183,33 @@ MASK_EMPTY_CONTEXT = OpSpec(
     _ROWS + (Arg("cu_seqlens_kv", ("B+1",), INDEX, ("lens",), unit_inner=True),),
     **_ROWS_PARAMS,
 )
+
+CP_MERGE = OpSpec(  # cp_merge's local part; with a send buffer, v and s are its views (not given here)
+    "cp_merge",
+    (
+        Arg("v", _STATE, V_IN, (), unit_inner=True, optional=True),
+        Arg("s", ("T", "H"), LSE, (), optional=True),
+        Arg("out", ("T", "H/ranks", "D"), V_OUT, (), output=True, unit_inner=True, optional=True),
+        Arg("out_lse", ("T", "H/ranks"), LSE, (), output=True, optional=True),
+    ),
+    (
+        _SINKS,
+        _OUT_SCALE,
+        Option(
+            "empty_shards",
+            (
+                Arg("seq_lens", ("B",), INDEX, (), unit_inner=True),
+                Arg("query_start_loc", ("B+1",), INDEX, ()),
+            ),
+            "",
+            (),
+        ),
+    ),
+    (
+        _LSE_BASE,
+        Scalar("exchange", ("allgather", "a2a")),
+        Scalar("scatter", ("heads", "none")),
+        Scalar("ranks"),  # the ranks the heads are scattered over (1: none), as the op counts them
+    ),
+    ("T", "H"),
+)

@@ -54,18 +54,21 @@ def shown_names(spec: OpSpec, shown: dict[str, str] | None) -> dict[str, str]:
 
 
 def validate(
-    spec: OpSpec, objs: tuple, scalars: dict[str, Any] | None = None, shown: dict[str, str] | None = None
-) -> Checked:
+    spec: OpSpec, objs: tuple, scalars: dict[str, Any] | None = None, shown: dict[str, str] | None = None,
+    sizes: dict[str, int] | None = None, also: tuple = (),
+) -> Checked:  # fmt: skip
     """Every check of a call of ``spec``: ``objs`` its tensors (in ``spec.all_args()`` order; an
     absent one: None), ``scalars`` its scalar arguments by the spec's names, ``shown`` the
-    caller's names."""
+    caller's names; ``sizes``: symbols the op knows already; ``also``: ``(name, Tensor)`` of
+    memory the op reads beside its arguments (on their device; no output may touch it)."""
     args = spec.all_args()
     objs = objs + (None,) * (len(args) - len(objs))
     name = shown_names(spec, shown)
     views = {a.name: view(x, name[a.name]) for a, x in zip(args, objs, strict=True) if x is not None}
     _checks.one_library_on_gpu([(name[a.name], views.get(a.name)) for a in args])
     c = Checked()
-    floats: list[tuple[str, Tensor]] = []
+    c.sym, c.scalars = dict(sizes or {}), dict(scalars or {})  # the scalars as given, for the shapes
+    floats: list[tuple[str, Tensor]] = list(also)
     for a in spec.args:
         t = views.get(a.name)
         if t is None:
@@ -78,24 +81,24 @@ def validate(
     for a in spec.args:
         if a.dtypes == _dtypes.INDEX_NAMES:
             _offsets(a, views[a.name], name, c)
+    first = spec.args[0]
     for s in spec.limits:
         if c.sym.get(s, 0) >= INT32:
-            first = spec.args[0].name
-            shape = tuple(c.tensors[first].shape)
-            raise ValueError(f"{name[first]}: {', '.join(spec.limits)} must be below 2^31, got shape {shape}")
+            shape = tuple(c.sym.get(x) for x in first.shape)
+            raise ValueError(
+                f"{name[first.name]}: {', '.join(spec.limits)} must be below 2^31, got shape {shape}"
+            )
     given = frozenset(o.name for o in spec.options if any(a.name in views for a in o.args))
     c.scalars = _scalars(spec, scalars or {}, given, name, c.sym)
     for s, what in spec.at_least_one:
         if c.sym[s] == 0:
-            raise ValueError(
-                f"{name[spec.args[0].name]}: expected at least one {what} ({s} >= 1), got {s} = 0"
-            )
+            raise ValueError(f"{name[first.name]}: expected at least one {what} ({s} >= 1), got {s} = 0")
     for o in spec.options:
         if o.name in given:
             _option(o, views, name, c)
     c.options = given
-    _rules(spec, given, name, c)
-    _outputs(spec, given, name, c)
+    _rules(spec, given, name, c, also)
+    _outputs(spec, given, name, c, also)
     return c
 
 
@@ -139,12 +142,13 @@ def _offsets(a: Arg, t: Tensor, name: dict[str, str], c: Checked) -> None:
     """Offsets of ``B + 1`` entries (binding ``B``, at least one entry) or lengths of ``B``, one
     index dtype with ``a.same_dtype``, on the call's device."""
     (s,) = a.shape
-    nm, sym = name[a.name], c.sym
-    if s.endswith("+1") and s[:-2] not in sym:
-        r = _checks.offsets(t, nm, c.device)
-        sym[s[:-2]] = r.shape[0] - 1
-    else:
-        r = _checks.index_tensor(t, nm, sym[s[:-2]] + 1 if s.endswith("+1") else sym[s], c.device)
+    nm, sym, n = name[a.name], c.sym, s.removesuffix("+1")
+    extra = int(n != s)  # offsets: one more entry than requests
+    if n in sym:
+        r = _checks.index_tensor(t, nm, sym[n] + extra, c.device)
+    else:  # binds the symbol (offsets: at least one entry)
+        r = _checks.offsets(t, nm, c.device) if extra else _checks.index_tensor(t, nm, None, c.device)
+        sym[n] = r.shape[0] - extra
     other = c.tensors.get(a.same_dtype) if a.same_dtype else None
     if other is not None and r.dtype != other.dtype:
         raise TypeError(
@@ -189,6 +193,8 @@ def _scalars(spec: OpSpec, values: dict[str, Any], given: frozenset, name: dict,
 
 def scalar(s: Scalar, v: Any, nm: str, sym: dict[str, int]) -> Any:
     """``v`` checked against ``s``'s row; returns it (a number of ``s.values`` as its string)."""
+    if not s.values and not s.upto:  # a value the op passes
+        return v
     if s.upto:
         if v is None:
             return None
@@ -214,7 +220,7 @@ def scalar(s: Scalar, v: Any, nm: str, sym: dict[str, int]) -> Any:
     return x if isinstance(x, str) or s.exact_int else str(x)
 
 
-def _rules(spec: OpSpec, given: frozenset, name: dict[str, str], c: Checked) -> None:
+def _rules(spec: OpSpec, given: frozenset, name: dict[str, str], c: Checked, also: tuple) -> None:
     """The options' rules: what each excludes; an fp8 output scaled by exactly one option."""
     for o in spec.options:
         if o.name in given and given & set(o.excludes):
@@ -226,9 +232,8 @@ def _rules(spec: OpSpec, given: frozenset, name: dict[str, str], c: Checked) -> 
     scales = [o.name for o in spec.options if o.fp8_scale and o.name in given]
     if len(scales) > 1:
         raise ValueError(f"{' and '.join(name[x] for x in scales)}: give one fp8 scale, not both")
-    out = c.tensors.get("out")
-    first = next((t for t in c.tensors.values() if t is not None), None)
-    out_dtype = out.dtype if out is not None else first.dtype
+    first = c.tensors.get("out") or next((c.tensors[a.name] for a in spec.args if a.name in c.tensors), None)
+    out_dtype = (first or also[0][1]).dtype  # the output's, else the first input's
     if out_dtype in _dtypes.FP8 and not scales:
         o = next(o for o in spec.options if o.fp8_scale)
         raise ValueError(f"{name[o.name]}: required for a {out_dtype} output")
@@ -237,11 +242,11 @@ def _rules(spec: OpSpec, given: frozenset, name: dict[str, str], c: Checked) -> 
         raise ValueError(f"{name[scales[0]]}: only meaningful with a {fp8} output, got a {out_dtype} output")
 
 
-def _outputs(spec: OpSpec, given: frozenset, name: dict[str, str], c: Checked) -> None:
+def _outputs(spec: OpSpec, given: frozenset, name: dict[str, str], c: Checked, also: tuple) -> None:
     """Outputs writable and apart from every other tensor, except the exact aliases the spec
     allows (none for an output an option given takes them from)."""
     no_alias = {x: o for o in spec.options if o.name in given for x in o.no_alias}
-    outs, ins = [], []
+    outs, ins = [], list(also)
     for a in spec.all_args():
         t = c.tensors.get(a.name)
         if not a.output:

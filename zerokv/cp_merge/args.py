@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from ..core import checks as _checks
 from ..core import dtypes as _dtypes
-from ..core.layout import INT32
+from ..core import spec as _spec
+from ..core import validation as _validation
 from ..core.tensors import Tensor, view
 from .send_buffer import CpSendBuffer
 
@@ -50,12 +50,6 @@ class Args(NamedTuple):
     send: Any  # a CpSendBuffer, or None
 
 
-def view_of(torch: Any, x: Any, arg: str) -> Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{arg}: expected a torch tensor, got {type(x).__name__}")
-    return view(x, arg)
-
-
 def dtype_name(torch: Any, x: Any, arg: str) -> str:
     if isinstance(x, str):
         name = x.removeprefix("torch.")
@@ -67,23 +61,20 @@ def dtype_name(torch: Any, x: Any, arg: str) -> str:
     return name
 
 
-def _state(torch, v, s, N, send, n) -> tuple[Tensor, Tensor, int, int, int]:
-    """This rank's state, or the send buffer's views: (v, s, T, H, D)."""
-    if send is None:
-        vt = _checks.tensor(view_of(torch, v, n("v")), n("v"), 3, _dtypes.V_IN)
-        T, H, D = vt.shape
-        if vt.numel:  # a zero-size tensor's strides mean nothing
-            _checks.unit_last_stride(vt, n("v"))
-        st = _checks.tensor(view_of(torch, s, n("s")), n("s"), 2, _dtypes.LSE)
-        _checks.shape(st, n("s"), (T, H), "T, H")
-        return vt, st, T, H, D
+def _send_views(torch, v, s, N, send, n) -> tuple:
+    """With a send buffer: its views as the state (the caller passes them as v and s), its
+    sizes and the memory the call reads beside its arguments."""
     lay = send.layout
     if lay.N != N:
         raise ValueError(f"send: made for a group of {lay.N} ranks, this group has {N}")
     for arg, x, mine in ((n("v"), v, send.v), (n("s"), s, send.lse)):
         if not isinstance(x, torch.Tensor) or not _same_view(x, mine):
             raise ValueError(f"{arg}: with send=, pass the views cp_send_buffer returned (send.v, send.lse)")
-    return view(send.v, n("v")), view(send.lse, n("s")), lay.T, lay.N * lay.Hn, lay.D
+    also = [(n("v"), view(send.v, n("v"))), (n("s"), view(send.lse, n("s")))]
+    also.append(("send (its send buffer)", view(send.send, "send")))  # no output may land where peers write
+    if send.recv is not send.send:
+        also.append(("send (its receive buffer)", view(send.recv, "send")))
+    return {"T": lay.T, "H": lay.N * lay.Hn, "D": lay.D}, tuple(also)
 
 
 def _same_view(x: Any, y: Any) -> bool:
@@ -96,28 +87,16 @@ def _same_view(x: Any, y: Any) -> bool:
     )
 
 
+_SCALARS = {x.name: x for x in _spec.CP_MERGE.scalars}
+
+
 def validate(
-    torch,
-    v,
-    s,
-    N,
-    scatter,
-    exchange,
-    lse_base,
-    wire_dtype,
-    sinks,
-    out,
-    out_lse,
-    out_scale,
-    empty_shards,
-    send,
-    n,
-) -> Args:
-    """Every check of a call, on the host, before anything is allocated or written."""
-    if exchange not in EXCHANGES:
-        raise ValueError(f"{n('exchange')}: expected 'allgather' or 'a2a', got {exchange!r}")
-    if scatter not in SCATTERS:
-        raise ValueError(f"{n('scatter')}: expected 'heads' or 'none', got {scatter!r}")
+    torch, v, s, N, scatter, exchange, lse_base, wire_dtype, sinks, out, out_lse, out_scale, empty_shards, send, n
+) -> Args:  # fmt: skip
+    """Every check of a call, on the host, before anything is allocated or written: the
+    collective's rules here, the local part's from its spec (``spec.CP_MERGE``)."""
+    for arg, value in (("exchange", exchange), ("scatter", scatter)):
+        _validation.scalar(_SCALARS[arg], value, n(arg), {})
     if exchange == "a2a" and scatter != "heads":
         raise ValueError(
             f"{n('exchange')}: 'a2a' sends each rank its own heads and needs scatter='heads', got "
@@ -128,16 +107,36 @@ def validate(
             raise TypeError(f"send: expected what cp_send_buffer returned, got {type(send).__name__}")
         if exchange != "a2a":
             raise ValueError(f"send: a send buffer is for exchange='a2a', got exchange={exchange!r}")
-    vt, st, T, H, D = _state(torch, v, s, N, send, n)
-    if T >= INT32 or H >= INT32:
-        raise ValueError(f"{n('v')}: T and H must be below 2^31, got shape {(T, H, D)}")
+        if empty_shards is not None:
+            raise ValueError(f"{n('seq_lens')}: the empty-shard mask is applied by the pack; not with send=")
+    shards = (None, None) if empty_shards is None else (empty_shards[0], empty_shards[1])
+    objs = (v, s, out, out_lse, sinks, out_scale, *shards)
+    args = _spec.CP_MERGE.all_args()
+    for i, (a, x) in enumerate(zip(args, objs, strict=True)):  # the collectives take torch tensors
+        if (x is not None or i < 2 or (i >= 6 and empty_shards is not None)) and not isinstance(
+            x, torch.Tensor
+        ):
+            raise TypeError(f"{n(a.name)}: expected a torch tensor, got {type(x).__name__}")
+    sizes, also = None, ()
+    if send is not None:
+        sizes, also = _send_views(torch, v, s, N, send, n)
+        objs = (None, None, *objs[2:])
+    shown = {**n.names, "empty_shards[0]": n("seq_lens"), "empty_shards[1]": n("query_start_loc")}
+    scalars = {
+        "lse_base": lse_base,
+        "exchange": exchange,
+        "scatter": scatter,
+        "ranks": N if scatter == "heads" else 1,
+    }
+    c = _validation.validate(_spec.CP_MERGE, objs, scalars, shown, sizes, also)
+    T, H, D = c.sym["T"], c.sym["H"], c.sym["D"]
     if scatter == "heads" and H % N:
         raise ValueError(
             f"{n('v')}: {H} heads cannot be scattered over {N} ranks (H % N = {H % N}); "
             "use scatter='none' or a head count divisible by the group size"
         )
-    Hn = H // N if scatter == "heads" else H
-    base = _checks.lse_base(lse_base, n("lse_base"))
+    t = c.tensors
+    vt, st = (t["v"], t["s"]) if send is None else (also[0][1], also[1][1])
     if send is not None:
         wire = send.layout.wire
         if wire_dtype is not None and dtype_name(torch, wire_dtype, n("wire_dtype")) != wire:
@@ -146,36 +145,9 @@ def validate(
         wire = vt.dtype if exchange == "a2a" else "float32"
     else:
         wire = dtype_name(torch, wire_dtype, n("wire_dtype"))
-    named = [(n("v"), vt), (n("s"), st)]
-    o = ol = None
-    if out is not None:
-        o = _checks.tensor(view_of(torch, out, n("out")), n("out"), 3, _dtypes.V_OUT)
-        _checks.shape(o, n("out"), (T, Hn, D), "T, heads of this rank, D")
-        if o.numel:
-            _checks.unit_last_stride(o, n("out"))
-        named.append((n("out"), o))
-    if out_lse is not None:
-        ol = _checks.tensor(view_of(torch, out_lse, n("out_lse")), n("out_lse"), 2, _dtypes.LSE)
-        _checks.shape(ol, n("out_lse"), (T, Hn), "T, heads of this rank")
-        named.append((n("out_lse"), ol))
-    device = _checks.same_device(named)
+    o = t.get("out")
     out_dtype = o.dtype if o is not None else (vt.dtype if send is None else wire)
-    sk = None if sinks is None else _checks.sinks(view_of(torch, sinks, n("sinks")), n("sinks"), H, device)
-    scale = None if out_scale is None else view_of(torch, out_scale, n("out_scale"))
-    scale = _checks.out_scale(scale, out_dtype, device, n("out_scale"))
-    sl = q = None
-    if empty_shards is not None:
-        if send is not None:
-            raise ValueError(f"{n('seq_lens')}: the empty-shard mask is applied by the pack; not with send=")
-        sl_arg, q_arg = n("seq_lens"), n("query_start_loc")
-        sl = _checks.index_tensor(view_of(torch, empty_shards[0], sl_arg), sl_arg, None, device)
-        q = _checks.index_tensor(view_of(torch, empty_shards[1], q_arg), q_arg, sl.shape[0] + 1, device)
-    ins = [(n("v"), vt), (n("s"), st)]
-    ins += [(nm, x) for nm, x in ((n("sinks"), sk), (n("out_scale"), scale)) if x is not None]
-    ins += [(nm, x) for nm, x in ((n("seq_lens"), sl), (n("query_start_loc"), q)) if x is not None]
-    if send is not None:  # the outputs may not land in the buffer the peers write
-        ins.append(("send (its send buffer)", view(send.send, "send")))
-        if send.recv is not send.send:
-            ins.append(("send (its receive buffer)", view(send.recv, "send")))
-    _checks.outputs([(n("out"), o, ()), (n("out_lse"), ol, ())], ins)
-    return Args(vt, st, sk, scale, sl, q, T, H, D, Hn, wire, out_dtype, base, device, scatter, exchange, send)
+    return Args(
+        vt, st, t.get("sinks"), t.get("out_scale"), t.get("seq_lens"), t.get("query_start_loc"), T, H, D,
+        H // c.scalars["ranks"], wire, out_dtype, c.scalars["lse_base"], c.device, scatter, exchange, send,
+    )  # fmt: skip
