@@ -246,3 +246,20 @@ def test_a_later_merge_states_call_with_outputs_of_another_shape_is_refused_by_n
         with pytest.raises(ValueError, match=match):
             zerokv.merge_states(v, s, out=out, out_lse=out_lse)
     assert len(log) == launched
+
+
+def test_a_later_per_group_fp8_call_with_out_lse_on_an_input_lse_is_refused_by_name(counted):
+    """With out_block_scale the spec takes out_lse's aliases away: a later call of the signature
+    whose out_lse is s_a itself goes to the full validation, which names it; nothing launched."""
+    log, _ = counted
+    T = 10
+    v_a, s_a, v_b, s_b = _states(T, H, D, seed=3)
+    out8, bscale = torch.empty(T, H, D, dtype=torch.float8_e4m3fn), torch.empty(T, H * D // 32)
+    zerokv.merge_state(
+        v_a, s_a, v_b, s_b, out=out8, out_lse=torch.empty(T, H), out_block_scale=bscale, quant_group=32
+    )
+    launched = len(log)
+    before = s_a.clone()
+    with pytest.raises(ValueError, match="out_lse: may not alias s_a or s_b with out_block_scale"):
+        zerokv.merge_state(v_a, s_a, v_b, s_b, out=out8, out_lse=s_a, out_block_scale=bscale, quant_group=32)
+    assert len(log) == launched and torch.equal(s_a, before)
