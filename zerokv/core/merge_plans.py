@@ -238,7 +238,7 @@ class TwoPlan(Plan):
         _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6])
         f.prefix_rows = f.T if prefix_rows is None else prefix_rows
         f.rows = f.T * f.H
-        widest, s32 = _exact_two(f, self)
+        widest, s32 = exact(_spec.MERGE_STATE, f, self)
         return self.finish(f, f.objs[4], f.objs[5], widest < INT32, s32)
 
     def finish(self, f: Any, out: Any, out_lse: Any, fits: bool, s32: bool) -> tuple[Any, Any]:
@@ -270,27 +270,18 @@ class TwoPlan(Plan):
         return _forms.merge_two(c, self.dev, self.ctypes), _facts.record(_spec.MERGE_STATE), None
 
 
-def _exact_two(f: Any, plan: TwoPlan) -> tuple[int, bool]:
-    """The widest span in elements and whether every stride fits 32 bits, for a call the
-    full checks accepted (any layout, any sign of stride)."""
-    T, H, D = f.T, f.H, f.D
-    tensors = [
-        (f.va, (T, H, D), (f.va_st, f.va_sh, 1), plan.in_size),
-        (f.vb, (T, H, D), (f.vb_st, f.vb_sh, 1), plan.in_size),
-        (f.sa, (T, H), (f.sa_st, f.sa_sh), 4),
-        (f.sb, (T, H), (f.sb_st, f.sb_sh), 4),
-    ]
-    if f.objs[4] is not None:
-        tensors.append((f.out, (T, H, D), (f.out_st, f.out_sh, 1), plan.out_size))
-    if f.objs[5] is not None:
-        tensors.append((f.olse, (T, H), (f.ol_st, f.ol_sh), 4))
-    return widest_span(tensors, T * H * max(D, 1))
-
-
-def widest_span(tensors: list, floor: int) -> tuple[int, bool]:
-    widest, s32 = floor, True
-    for ptr, shape, strides, size in tensors:
-        lo, hi = extent(ptr, shape, strides, size)
+def exact(spec: _spec.OpSpec, f: Any, plan: Plan) -> tuple[int, bool]:
+    """The widest span in elements of the spec's own tensors the call gives (its options' not)
+    and whether every stride fits 32 bits, for a call the full checks accepted (any layout, any
+    sign of stride)."""
+    widest, s32 = f.T * f.H * max(f.D, 1), True
+    for a, x in zip(spec.args, f.objs, strict=False):
+        if x is None:
+            continue
+        shape = tuple(getattr(f, s) for s in a.shape)
+        strides = (*(getattr(f, p) for p in a.params[1:]), *(1,) * (len(shape) + 1 - len(a.params)))
+        size = 4 if a.dtypes == _dtypes.LSE else plan.out_size if a.output else plan.in_size
+        lo, hi = extent(getattr(f, a.params[0]), shape, strides, size)
         widest = max(widest, (hi - lo) // size)
         s32 = s32 and all(-INT32 <= s < INT32 for s in strides)
     return widest, s32

@@ -16,7 +16,7 @@ from . import merge_checks as _merge_checks
 from . import plans as _plans
 from . import spec as _spec
 from .layout import INT32
-from .merge_plans import Plan, _allocator, cpu_outputs, host_only, widest_span
+from .merge_plans import Plan, _allocator, cpu_outputs, exact, host_only
 
 
 def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
@@ -81,7 +81,7 @@ class NPlan(Plan):
         """A call the bound call did not take: the full checks (raising with the caller's
         names), the exact widths of any layout they accept, then the launch."""
         _merge_checks.n(f.objs, scalars[0], _quant(scalars))
-        widest, s32 = _exact_n(f, self)
+        widest, s32 = exact(_spec.MERGE_STATES, f, self)
         N, T, H, D = f.N, f.T, f.H, f.D
         out, out_lse = self.outputs(f, f.objs[2], f.objs[3], T, H, D)
         if T * H == 0:
@@ -131,19 +131,6 @@ def _as_two(isz: int, f: Any) -> Any:
     t.a_cu = t.a_lens = t.a_batch = t.row_mask = t.sinks = t.out_scale = 0
     t.bscale, t.bs_st, t.bs_sg = f.bscale, f.bs_st, f.bs_sg
     return t
-
-
-def _exact_n(f: Any, plan: NPlan) -> tuple[int, bool]:
-    N, T, H, D = f.N, f.T, f.H, f.D
-    tensors = [
-        (f.v, (N, T, H, D), (f.v_sn, f.v_st, f.v_sh, 1), plan.in_size),
-        (f.s, (N, T, H), (f.s_sn, f.s_st, f.s_sh), 4),
-    ]
-    if f.objs[2] is not None:
-        tensors.append((f.out, (T, H, D), (f.out_st, f.out_sh, 1), plan.out_size))
-    if f.objs[3] is not None:
-        tensors.append((f.olse, (T, H), (f.ol_st, f.ol_sh), 4))
-    return widest_span(tensors, T * H * max(D, 1))
 
 
 def _bind_n(plan: NPlan, objs: tuple) -> _bound.BoundCall | None:
