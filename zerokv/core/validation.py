@@ -216,7 +216,8 @@ def scalar(s: Scalar, v: Any, nm: str, sym: dict[str, int]) -> Any:
         )
         raise ValueError(f"{nm}: expected {says}{hint}, got {v!r}")
     if s.divides and sym[s.divides] % v:
-        raise ValueError(f"{nm}: must divide head_dim {sym[s.divides]}, got {v}")
+        what = "head_dim" if s.divides == "D" else s.divides
+        raise ValueError(f"{nm}: must divide {what} {sym[s.divides]}, got {v}")
     return x if isinstance(x, str) or s.exact_int else str(x)
 
 
