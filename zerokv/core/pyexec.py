@@ -1,11 +1,15 @@
 """The Python executor of bound calls (:mod:`zerokv.core.bound`).
 
-Each record of a bound call becomes, once, a small function with the record's integers bound
-(its step); a call runs the steps in order on a fresh register list, then looks up the form of
-its key, packs the kernel's parameters from the registers and launches. A step returns None to
-go on, False when the call is not one the table takes (the full validation then sees it), or
-``_DONE`` when there is nothing to launch. No source is generated: the functions are closures
-over the records' values.
+A bound call's records become, once, one function of the call (``bc.steps``): a few closures
+over the records' integers (its steps) run in order on a fresh register list, then the form of
+its key, the kernel's parameters from the registers, the launch. A step returns None to go on,
+False when the table does not take the call (the full validation then sees it), or ``_DONE``
+when there is nothing to launch. No source is generated.
+
+A tensor's read also makes the checks that need only it and the tensors read before it (its
+sizes' ranges, a zero misalignment, an output's distinct elements and separation), and the
+absent arguments are checked first: a check moves only across records that can neither raise
+past the executor nor end the call, so the call is taken, or refused, as the table says.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from .generic_tensors import _Generic, generic, writable_cheap
 from .layout import distinct
 
 _DONE = 1
-_MADE = B.NREG - 1  # the register that holds the outputs a call allocated ({slot: tensor})
 _UNREADABLE = (AttributeError, TypeError, ValueError, RuntimeError, IndexError)
 
 _OPS = {
@@ -27,88 +30,230 @@ _OPS = {
     B.A_AND: operator.and_, B.A_EQ: operator.eq, B.A_LT: operator.lt, B.A_NE: operator.ne,
     B.A_MAX: max, B.A_GT: operator.gt,
 }  # fmt: skip
-
-# per rank: the sum of (n - 1) * stride, the OR of every stride, the OR of the outer ones
-_SPAN = {
-    1: lambda n, s: (n[0] - 1) * s[0],
-    2: lambda n, s: (n[0] - 1) * s[0] + (n[1] - 1) * s[1],
-    3: lambda n, s: (n[0] - 1) * s[0] + (n[1] - 1) * s[1] + (n[2] - 1) * s[2],
-    4: lambda n, s: (n[0] - 1) * s[0] + (n[1] - 1) * s[1] + (n[2] - 1) * s[2] + (n[3] - 1) * s[3],
-}
-_OR = {1: lambda s: s[0], 2: lambda s: s[0] | s[1], 3: lambda s: s[0] | s[1] | s[2],
-       4: lambda s: s[0] | s[1] | s[2] | s[3]}  # fmt: skip
-_OUTER = {1: lambda s: 0, 2: lambda s: s[0], 3: lambda s: s[0] | s[1], 4: lambda s: s[0] | s[1] | s[2]}
+_DST = (B.OP_ARITH, B.OP_SCALAR)  # records that write a register (ARITH: [1], SCALAR: [2])
+# records that cannot raise past the executor, end the call or allocate: checks may move across
+_PURE = {B.OP_TENSOR, B.OP_ABSENT, B.OP_EQ, B.OP_RANGE, B.OP_CHECK, B.OP_APART, B.OP_DISTINCT, *_DST}
+_BLOCKS = set(range(B.TENSOR_BASE, B.DERIVED_BASE)) | {B.R_WIDEST, B.R_STOR}
 
 
 def run(bc: B.BoundCall, objs: tuple, scalars: tuple) -> Any:
     """The call's result (the objects of ``bc.result``, an allocated output in its place) when
     the table takes it (launched, or nothing to launch); None when the full path must see it."""
-    steps = bc.steps or _decode(bc)
-    r = [0] * B.NREG
-    r[B.R_ONE] = 1
-    try:
-        for step in steps:
-            v = step(r, objs, scalars)
-            if v is not None:
-                return None if v is False else _result(bc, objs, r)
-        key = bc.c_key(r)
-    except _UNREADABLE:
-        return None
-    e = bc.forms.get(key) or bc.entry(key[0], key[1:])
-    B.launch(bc, e, r, key[0])
-    return _result(bc, objs, r)
+    call = bc.steps or _decode(bc)
+    return call(objs, scalars)
 
 
-def _result(bc: B.BoundCall, objs: tuple, r: list) -> Any:
-    if not bc.result:
-        return True
-    made = r[_MADE]
-    if not made:
-        return tuple([objs[i] for i in bc.result])
-    return tuple([made[i] if i in made else objs[i] for i in bc.result])
+class _Read:
+    """A tensor record and the checks moved into its read."""
+
+    def __init__(self, rec: tuple, k: int, bc: B.BoundCall, gen: bool) -> None:
+        self.rec, self.k, self.gen, self.rank, self.flags = rec, k, gen, rec[2], rec[3]
+        self.dtype, self.tt, self.dev, self.base = bc.dtypes[k], bc.torch_type, bc.device, B.tensor_base(k)
+        self.bounds: dict[int, tuple[int, int]] = {}  # size i in [lo, hi)
+        self.zero_misalign = False  # its misalignment 0, else refused (a CHECK of R_MISALIGN)
+        self.inner = -1  # an output's DISTINCT: the register of its inner extent (-1: none)
+        self.apart: tuple | None = None  # an output's APART: (mask, exact)
+        # read by name: a 3-D tensor, a 2-D one (or the transpose of one) unaligned
+        self.named = (self.rank == 3 and not self.flags & B.F_TRANSPOSE) or (
+            self.rank == 2 and not self.flags & B.F_ALIGN
+        )
 
 
-def _decode(bc: B.BoundCall) -> tuple:
-    """The steps of ``bc``'s records (all but the last, its key), and its key's getter."""
-    steps, k = [], 0
-    gen = bc.torch_type is _Generic
-    run: list = []  # consecutive arithmetic records: one step
-    for rec in bc.records[:-1]:
-        op = rec[0]
-        if op == B.OP_ARITH:
-            run.append(rec)
-            continue
-        if run:
-            steps.append(_arith(run))
-            run = []
-        if op == B.OP_TENSOR:
-            steps.append(_tensor(rec, k, bc.torch_type, bc.dtypes[k], bc.device, gen))
-            k += 1
-        else:
-            steps.append(_MAKERS[op](rec, bc))
-    if run:
-        steps.append(_arith(run))
+def _decode(bc: B.BoundCall) -> Any:
+    """The function of ``bc``'s call: its steps, key, launches and result."""
     key = bc.records[-1]
     if key[0] != B.OP_KEY:
         raise RuntimeError(f"zerokv: the bound call of {bc.name} does not end with its key")
-    bc.c_key = itemgetter(key[1], *key[3 : 3 + key[2]])
-    bc.steps = tuple(steps)
+    recs, gen = bc.records[:-1], bc.torch_type is _Generic
+    pure = 0  # the records before the first one a check may not move across
+    while pure < len(recs) and recs[pure][0] in _PURE and not (gen and recs[pure][0] == B.OP_TENSOR):
+        pure += 1
+    items: list = []  # _Read objects and the records left as steps, in order
+    reads: dict[int, _Read] = {}  # tensor block -> its read
+    absent: list = []  # ABSENT records, checked first
+    for j, rec in enumerate(recs):
+        if rec[0] == B.OP_TENSOR:
+            items.append(reads.setdefault(len(reads), _Read(rec, len(reads), bc, gen)))
+        elif j >= pure or not _fold(rec, reads, items, absent):
+            items.append(rec)
+    # the registers a call keeps: the tensor blocks and the derived values the records write;
+    # then one that holds the outputs it allocated ({slot: tensor}) and a scratch one
+    dsts = [rec[1 if rec[0] == B.OP_ARITH else 2] for rec in recs if rec[0] in _DST]
+    made_at = max(B.DERIVED_BASE, *(d + 1 for d in dsts))
+    if made_at + 1 >= B.CONST_BASE:
+        made_at = B.NREG - 2
+    steps, run_ = [], []
+    for it in items:
+        if type(it) is not _Read and it[0] == B.OP_ARITH:
+            run_.append(it)
+            continue
+        if run_:
+            steps.append(_arith(run_))
+            run_ = []
+        op = B.OP_TENSOR if type(it) is _Read else it[0]
+        steps.append(_reader(it, made_at + 1) if op == B.OP_TENSOR else _MAKERS[op](it, bc, made_at))
+    steps = ([_absent(absent, bc)] if absent else []) + steps + ([_arith(run_)] if run_ else [])
+    bc.steps = _call(bc, tuple(steps), itemgetter(key[1], *key[3 : 3 + key[2]]), made_at)
     return bc.steps
 
 
-def _tensor(rec: tuple, k: int, tt: type, dt: Any, dev: int, gen: bool) -> Any:
-    """Read argument ``rec[1]`` into tensor block ``k`` (bound.OP_TENSOR); 2-D and 3-D
-    tensors (the states, LSEs and outputs) unpacked by name, the others by loop."""
-    slot, rank, flags, isz, align, width = rec[1], rec[2], rec[3], rec[6], rec[7], rec[12]
-    base = B.TENSOR_BASE + k * B.TENSOR_REGS
+def _fold(rec: tuple, reads: dict, items: list, absent: list) -> bool:
+    """Move check ``rec`` into the reads made before it (or to the start of the call) where it
+    needs nothing else; False: it stays a step of its own."""
+    op = rec[0]
+    if op == B.OP_ABSENT:
+        absent.append(rec)
+        return True
+    written = {it[1 if it[0] == B.OP_ARITH else 2] for it in items if type(it) is not _Read and it[0] in _DST}
+    if written & _BLOCKS:  # a tensor block written by arithmetic: its reads' values are not final
+        return False
+    if op == B.OP_RANGE:
+        k, i = divmod(rec[1] - B.TENSOR_BASE, B.TENSOR_REGS)
+        rd = reads.get(k)
+        if rec[1] < B.TENSOR_BASE or rd is None or not rd.named or not 1 <= i <= rd.rank:
+            return False
+        lo, hi = rd.bounds.get(i - 1, (rec[2], rec[3]))
+        rd.bounds[i - 1] = (max(lo, rec[2]), min(hi, rec[3]))
+        return True
+    if op == B.OP_CHECK and rec[1] == B.R_MISALIGN and not rec[2] and B.R_MISALIGN not in written:
+        for rd in reads.values():
+            rd.zero_misalign = bool(rd.flags & B.F_ALIGN)
+        return True
+    rd = reads.get(rec[1]) if op in (B.OP_DISTINCT, B.OP_APART) else None
+    if rd is None or not rd.named or rd.rank < 2:
+        return False
+    if op == B.OP_DISTINCT:
+        rd.inner = rd.base + 1 + rec[2] if rec[2] >= 0 else B.R_ONE
+        return True
+    before = items.index(rd)
+    if any(
+        rec[2] >> j & 1 and (j not in reads or items.index(reads[j]) > before) for j in range(B.N_TENSORS)
+    ):
+        return False
+    rd.apart = (rec[2], rec[3])
+    return True
+
+
+def _call(bc: B.BoundCall, steps: tuple, key_of: Any, made_at: int) -> Any:
+    """The call: registers, steps, the form's launch, the result."""
+    size = made_at + 2  # and a scratch register
+    pad, result, launch = [0] * (B.CONST_BASE - size), _result_of(bc.result, made_at), B.launch
+
+    def call(objs: tuple, scalars: tuple) -> Any:
+        r = [0] * size
+        r[1] = 1
+        try:
+            for step in steps:
+                v = step(r, objs, scalars)
+                if v is not None:
+                    return None if v is False else result(objs, r)
+            key = key_of(r)
+        except _UNREADABLE:
+            return None
+        e = bc.forms.get(key) or bc.entry(key[0], key[1:])
+        r += pad  # the form's constants go to CONST_BASE on
+        launch(bc, e, r, key[0])
+        return result(objs, r)
+
+    return call
+
+
+def _result_of(slots: tuple, made_at: int) -> Any:
+    if not slots:
+        return lambda objs, r: True
+    get = itemgetter(*slots) if len(slots) > 1 else (lambda objs: (objs[slots[0]],))
+
+    def result(objs: tuple, r: list) -> tuple:
+        made = r[made_at]
+        if not made:
+            return get(objs)
+        return tuple([made[i] if i in made else objs[i] for i in slots])
+
+    return result
+
+
+def _reader(rd: _Read, scratch: int) -> Any:
+    """Read argument ``rd.rec[1]`` into tensor block ``rd.k`` (bound.OP_TENSOR): by name
+    (``special``: a 2-D tensor's third size and stride, 1 and 0, go to register ``scratch``),
+    else by loop."""
+    if not rd.named:
+        return _readn(rd)
+    rec, base, tt, dt, dev, gen, rank = rd.rec, rd.base, rd.tt, rd.dtype, rd.dev, rd.gen, rd.rank
+    slot, isz, align, width, flags = rec[1], rec[6], rec[7], rec[12], rd.flags
+    three, flip, out = rank == 3, flags & B.F_TRANSPOSE, flags & B.F_OUTPUT
+    unit3, unit2 = flags & B.F_UNIT_INNER and three, flags & B.F_UNIT_INNER and not three
+    aligned, inner, zero = flags & B.F_ALIGN, flags & B.F_INNER_IN_ALIGN, rd.zero_misalign
+    q0, q1, q2 = (rec[8 + i] if i < rank else -1 for i in range(3))
+    far = (-(1 << 70), 1 << 70)
+    lo0, hi0, lo1, hi1, lo2, hi2 = (x for i in range(3) for x in rd.bounds.get(i, far))
+    others = _others(*(rd.apart or (0, 0)))
+    ranged, dist, di = bool(rd.bounds), rd.inner >= 0, rd.inner - base - 1
+    b1, b2, b5, b6, end = base + 1, base + 2, base + 5, base + 6, base + B.T_END
+    b3, b7 = (base + 3, base + 7) if three else (scratch, scratch)
+    WIDEST, STOR, MISALIGN, cheap = B.R_WIDEST, B.R_STOR, B.R_MISALIGN, writable_cheap  # noqa: N806
+
+    def step(r: list, objs: tuple, scalars: tuple) -> Any:
+        x = objs[slot]
+        if gen:
+            x = generic(x)
+        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+            return False
+        if three:
+            n0, n1, n2 = x.shape
+            s0, s1, s2 = x.stride()
+        else:
+            if flip:
+                n1, n0 = x.shape
+                s1, s0 = x.stride()
+            else:
+                n0, n1 = x.shape
+                s0, s1 = x.stride()
+            n2, s2 = 1, 0
+        if (q0 >= 0 and r[q0] != n0) or (q1 >= 0 and r[q1] != n1) or (q2 >= 0 and r[q2] != n2):
+            return False
+        if ranged and not (lo0 <= n0 < hi0 and lo1 <= n1 < hi1 and lo2 <= n2 < hi2):
+            return False
+        sor = s0 | s1 | s2
+        if sor < 0 or (unit3 and n2 > 1 and s2 != 1) or (unit2 and n1 > 1 and s1 != 1):
+            return False
+        p = x.data_ptr()
+        span = (n0 - 1) * s0 + (n1 - 1) * s1 + (n2 - 1) * s2 + 1 if n0 and n1 and n2 else 0
+        e = p + span * isz
+        r[base], r[b1], r[b2], r[b3], r[b5], r[b6], r[b7], r[end] = p, n0, n1, n2, s0, s1, s2, e
+        r[STOR] |= sor
+        if span > r[WIDEST]:
+            r[WIDEST] = span
+        if aligned:
+            m = p % align | (s0 | s1 | (n2 if inner else 0)) % width
+            if zero:
+                if m:
+                    return False
+            else:
+                r[MISALIGN] |= m
+        if out:
+            if not (cheap(x.obj) if gen else not x.requires_grad and not x.is_inference() or cheap(x)):
+                return False
+            if dist:
+                w = (n0, n1, n2)[di] if di >= 0 else 1
+                # the row-major layout first (layout.distinct's first case), then the rule
+                if not (s1 >= w and s0 >= (n1 - 1) * s1 + w) and not distinct(n0, s0, n1, s1, w):
+                    return False
+            for b, b_end, b_s0, b_s1, ex in others:
+                if r[b] < e and p < r[b_end] and not (ex and r[b] == p and r[b_s0] == s0 and r[b_s1] == s1):
+                    return False
+        return None
+
+    return step
+
+
+def _readn(rd: _Read) -> Any:
+    """A tensor of any rank, its sizes and strides by loop."""
+    rec, base, tt, dt, dev, gen, rank = rd.rec, rd.base, rd.tt, rd.dtype, rd.dev, rd.gen, rd.rank
+    slot, flags, isz, align, width = rec[1], rd.flags, rec[6], rec[7], rec[12]
     eqs = tuple((i, rec[8 + i]) for i in range(rank) if rec[8 + i] >= 0)
     flip, unit, out = flags & B.F_TRANSPOSE, flags & B.F_UNIT_INNER, flags & B.F_OUTPUT
-    aligned, inner = flags & B.F_ALIGN, flags & B.F_INNER_IN_ALIGN
-    if rank == 3 and not flip:
-        return _tensor3(slot, base, eqs, isz, align, width, unit, out, aligned, inner, tt, dt, dev, gen)
-    if rank == 2 and not aligned:
-        return _tensor2(slot, base, eqs, isz, flip, unit, out, tt, dt, dev, gen)
-    last, span_of, or_of, outer_of = rank - 1, _SPAN[rank], _OR[rank], _OUTER[rank]
+    aligned, inner, zero = flags & B.F_ALIGN, flags & B.F_INNER_IN_ALIGN, rd.zero_misalign
+    last = rank - 1
     sizes, strides = slice(base + 1, base + 1 + rank), slice(base + B.T_STRIDE, base + B.T_STRIDE + rank)
 
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
@@ -125,103 +270,40 @@ def _tensor(rec: tuple, k: int, tt: type, dt: Any, dev: int, gen: bool) -> Any:
         for i, q in eqs:
             if r[q] != shape[i]:
                 return False
-        sor = or_of(st)
-        if sor < 0 or (unit and shape[last] > 1 and st[last] != 1):
+        outer = span = 0
+        for i in range(last):
+            outer |= st[i]
+            span += (shape[i] - 1) * st[i]
+        n, s = (shape[last], st[last]) if rank else (1, 0)
+        if (outer | s) < 0 or (unit and n > 1 and s != 1):
             return False
         p = r[base] = x.data_ptr()
         r[sizes], r[strides] = shape, st
-        r[B.R_STOR] |= sor
-        span = 0 if 0 in shape else span_of(shape, st) + 1
+        r[B.R_STOR] |= outer | s
+        span = 0 if 0 in shape else span + (n - 1) * s + 1
         r[base + B.T_END] = p + span * isz
         if span > r[B.R_WIDEST]:
             r[B.R_WIDEST] = span
         if aligned:
-            r[B.R_MISALIGN] |= p % align | (outer_of(st) | (shape[last] if inner else 0)) % width
-        if out and not _writable(x):
+            m = p % align | (outer | (n if inner else 0)) % width
+            if zero:
+                if m:
+                    return False
+            else:
+                r[B.R_MISALIGN] |= m
+        if out and not (
+            writable_cheap(x.obj)
+            if gen
+            else not x.requires_grad and not x.is_inference() or writable_cheap(x)
+        ):
             return False
         return None
 
     return step
 
 
-def _tensor3(slot, base, eqs, isz, align, width, unit, out, aligned, inner, tt, dt, dev, gen) -> Any:  # noqa: ANN001
-    """A ``[n0, n1, n2]`` tensor (``_tensor``'s rank-3 case, its sizes and strides by name)."""
-    q0, q1, q2 = (dict(eqs).get(i, -1) for i in range(3))
-    b1, b2, b3, b5, b6, b7, end = base + 1, base + 2, base + 3, base + 5, base + 6, base + 7, base + B.T_END
-
-    def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        x = objs[slot]
-        if gen:
-            x = generic(x)
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
-            return False
-        n0, n1, n2 = x.shape
-        s0, s1, s2 = x.stride()
-        if (q0 >= 0 and r[q0] != n0) or (q1 >= 0 and r[q1] != n1) or (q2 >= 0 and r[q2] != n2):
-            return False
-        sor = s0 | s1 | s2
-        if sor < 0 or (unit and n2 > 1 and s2 != 1):
-            return False
-        p = r[base] = x.data_ptr()
-        r[b1], r[b2], r[b3], r[b5], r[b6], r[b7] = n0, n1, n2, s0, s1, s2
-        r[B.R_STOR] |= sor
-        span = (n0 - 1) * s0 + (n1 - 1) * s1 + (n2 - 1) * s2 + 1 if n0 and n1 and n2 else 0
-        r[end] = p + span * isz
-        if span > r[B.R_WIDEST]:
-            r[B.R_WIDEST] = span
-        if aligned:
-            r[B.R_MISALIGN] |= p % align | (s0 | s1 | (n2 if inner else 0)) % width
-        if out and not _writable(x):
-            return False
-        return None
-
-    return step
-
-
-def _tensor2(slot, base, eqs, isz, flip, unit, out, tt, dt, dev, gen) -> Any:  # noqa: ANN001
-    """A ``[n0, n1]`` tensor, or the transpose of an ``[n1, n0]`` one (``flip``)."""
-    q0, q1 = (dict(eqs).get(i, -1) for i in range(2))
-    b1, b2, b5, b6, end = base + 1, base + 2, base + 5, base + 6, base + B.T_END
-
-    def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        x = objs[slot]
-        if gen:
-            x = generic(x)
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
-            return False
-        if flip:
-            n1, n0 = x.shape
-            s1, s0 = x.stride()
-        else:
-            n0, n1 = x.shape
-            s0, s1 = x.stride()
-        if (q0 >= 0 and r[q0] != n0) or (q1 >= 0 and r[q1] != n1):
-            return False
-        sor = s0 | s1
-        if sor < 0 or (unit and n1 > 1 and s1 != 1):
-            return False
-        p = r[base] = x.data_ptr()
-        r[b1], r[b2], r[b5], r[b6] = n0, n1, s0, s1
-        r[B.R_STOR] |= sor
-        span = (n0 - 1) * s0 + (n1 - 1) * s1 + 1 if n0 and n1 else 0
-        r[end] = p + span * isz
-        if span > r[B.R_WIDEST]:
-            r[B.R_WIDEST] = span
-        if out and not _writable(x):
-            return False
-        return None
-
-    return step
-
-
-def _writable(x: Any) -> bool:
-    if type(x) is _Generic:
-        return writable_cheap(x.obj)
-    return (not x.requires_grad and not x.is_inference()) or writable_cheap(x)
-
-
-def _absent(rec: tuple, bc: B.BoundCall) -> Any:
-    slots = tuple(i for i in range(64) if rec[1] >> i & 1)
+def _absent(recs: list, bc: B.BoundCall) -> Any:
+    slots = tuple(i for rec in recs for i in range(64) if rec[1] >> i & 1)
 
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
         n = len(objs)
@@ -233,29 +315,9 @@ def _absent(rec: tuple, bc: B.BoundCall) -> Any:
     return step
 
 
-def _eq(rec: tuple, bc: B.BoundCall) -> Any:
-    a, b = rec[1], rec[2]
-    return lambda r, objs, scalars: False if r[a] != r[b] else None
-
-
-def _range(rec: tuple, bc: B.BoundCall) -> Any:
-    a, lo, hi = rec[1], rec[2], rec[3]
-    return lambda r, objs, scalars: None if lo <= r[a] < hi else False
-
-
-def _check(rec: tuple, bc: B.BoundCall) -> Any:
-    a, want = rec[1], bool(rec[2])
-    return lambda r, objs, scalars: None if bool(r[a]) == want else False
-
-
 def _arith(recs: list) -> Any:
     """Consecutive arithmetic records (``r[d] = f(r[a], r[b] or k)``) as one step."""
     ops = tuple((rec[1], _OPS[rec[2]], rec[3], rec[4], rec[5]) for rec in recs)
-    if len(ops) == 1:
-        ((d, f, a, b, k),) = ops
-        if b >= 0:
-            return lambda r, objs, scalars: r.__setitem__(d, f(r[a], r[b]))
-        return lambda r, objs, scalars: r.__setitem__(d, f(r[a], k))
 
     def step(r: list, objs: tuple, scalars: tuple) -> None:
         for d, f, a, b, k in ops:
@@ -264,45 +326,36 @@ def _arith(recs: list) -> Any:
     return step
 
 
-def _apart(rec: tuple, bc: B.BoundCall) -> Any:
+def _apart(rec: tuple, bc: B.BoundCall, made_at: int = 0) -> Any:
     """Tensor ``rec[1]`` shares no byte with a tensor of mask ``rec[2]``, or is an exact alias
     (same pointer and outer strides) of one in mask ``rec[3]``."""
-    a = B.TENSOR_BASE + rec[1] * B.TENSOR_REGS
-    others = tuple(
-        (B.TENSOR_BASE + j * B.TENSOR_REGS, bool(rec[3] >> j & 1))
-        for j in range(B.N_TENSORS)
-        if rec[2] >> j & 1
-    )
-    s0, s1 = a + B.T_STRIDE, a + B.T_STRIDE + 1
+    a, others = B.TENSOR_BASE + rec[1] * B.TENSOR_REGS, _others(rec[2], rec[3])
 
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        lo, hi = r[a], r[a + B.T_END]
-        for b, exact in others:
-            if (
-                r[b] < hi
-                and lo < r[b + B.T_END]
-                and not (
-                    exact and r[b] == lo and r[b + B.T_STRIDE] == r[s0] and r[b + B.T_STRIDE + 1] == r[s1]
-                )
-            ):
+        p, e, s0, s1 = r[a], r[a + B.T_END], r[a + B.T_STRIDE], r[a + B.T_STRIDE + 1]
+        for b, b_end, b_s0, b_s1, ex in others:
+            if r[b] < e and p < r[b_end] and not (ex and r[b] == p and r[b_s0] == s0 and r[b_s1] == s1):
                 return False
         return None
 
     return step
 
 
-def _distinct(rec: tuple, bc: B.BoundCall) -> Any:
+def _others(mask: int, exact: int) -> tuple:
+    """The tensors of ``mask`` an output must share no byte with (or alias, those of ``exact``):
+    registers of pointer, end and outer strides, and whether an exact alias is allowed."""
+    bases = range(B.TENSOR_BASE, B.DERIVED_BASE, B.TENSOR_REGS)
+    return tuple((b, b + 9, b + 5, b + 6, bool(exact >> j & 1)) for j, b in enumerate(bases) if mask >> j & 1)
+
+
+def _distinct(rec: tuple, bc: B.BoundCall, made_at: int = 0) -> Any:
     a = B.TENSOR_BASE + rec[1] * B.TENSOR_REGS
     inner = a + 1 + rec[2] if rec[2] >= 0 else B.R_ONE
 
-    def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        ok = distinct(r[a + 1], r[a + B.T_STRIDE], r[a + 2], r[a + B.T_STRIDE + 1], r[inner])
-        return None if ok else False
-
-    return step
+    return lambda r, objs, sc: None if distinct(r[a + 1], r[a + 5], r[a + 2], r[a + 6], r[inner]) else False
 
 
-def _scalar(rec: tuple, bc: B.BoundCall) -> Any:
+def _scalar(rec: tuple, bc: B.BoundCall, made_at: int = 0) -> Any:
     i, d, lo, hi = rec[1], rec[2], rec[3], rec[4]
 
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
@@ -315,7 +368,7 @@ def _scalar(rec: tuple, bc: B.BoundCall) -> Any:
     return step
 
 
-def _alloc(rec: tuple, bc: B.BoundCall) -> Any:
+def _alloc(rec: tuple, bc: B.BoundCall, made_at: int = 0) -> Any:
     """Result ``rec[1]``: a new contiguous output (allocator ``rec[2]``) of the shape in the
     registers ``rec[5:5 + rank]``, read into tensor block ``rec[3]``."""
     slot, allocate, rank = rec[1], bc.allocators[rec[2]], rec[4]
@@ -330,20 +383,18 @@ def _alloc(rec: tuple, bc: B.BoundCall) -> Any:
             r[base + 1 + i] = shape[i]
             r[base + B.T_STRIDE + i] = stride
             stride *= shape[i]
-        made = r[_MADE] or {}
+        made = r[made_at] or {}
         made[slot] = x
-        r[_MADE] = made
+        r[made_at] = made
 
     return step
 
 
-def _done_if_zero(rec: tuple, bc: B.BoundCall) -> Any:
-    a = rec[1]
-    return lambda r, objs, scalars: None if r[a] else _DONE
-
-
 _MAKERS = {
-    B.OP_ABSENT: _absent, B.OP_EQ: _eq, B.OP_RANGE: _range, B.OP_CHECK: _check,
+    B.OP_EQ: lambda rec, bc, made_at: lambda r, objs, sc: False if r[rec[1]] != r[rec[2]] else None,
+    B.OP_RANGE: lambda rec, bc, made_at: lambda r, objs, sc: None if rec[2] <= r[rec[1]] < rec[3] else False,
+    B.OP_CHECK: lambda rec, bc, made_at: lambda r, objs, sc: None if bool(r[rec[1]]) == bool(rec[2]) else False,
+    B.OP_DONE_IF_ZERO: lambda rec, bc, made_at: lambda r, objs, sc: None if r[rec[1]] else _DONE,
     B.OP_APART: _apart, B.OP_DISTINCT: _distinct, B.OP_SCALAR: _scalar, B.OP_ALLOC: _alloc,
-    B.OP_DONE_IF_ZERO: _done_if_zero,
+    B.OP_ABSENT: lambda rec, bc, made_at: _absent([rec], bc),
 }  # fmt: skip
