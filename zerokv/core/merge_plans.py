@@ -73,7 +73,8 @@ class Plan:
             t = sys.modules["torch"]
             self.t_out = getattr(t, self.out_dtype)
             self.t_f32, self.empty = t.float32, t.empty
-            self.alloc_device = self.device if self.device >= 0 else "cpu"  # "cpu": the tests' plans
+            # a device object, and sizes passed one by one below: torch parses both fastest
+            self.alloc_device = t.device("cuda", self.device) if self.device >= 0 else t.device("cpu")
 
     def outputs(self, f: Any, out: Any, out_lse: Any, T: int, H: int, D: int) -> tuple[Any, Any]:
         """The call's outputs, those it left as None allocated (the LSE only where the signature
@@ -90,7 +91,7 @@ class Plan:
         """An output of the call's family on its device (``like``: its first tensor): the LSE
         (float32) or V (out dtype)."""
         if self.torch:
-            return self.empty(shape, dtype=self.t_f32 if lse else self.t_out, device=self.alloc_device)
+            return self.empty(*shape, dtype=self.t_f32 if lse else self.t_out, device=self.alloc_device)
         return _outputs.new(like, False, self.device, shape, "float32" if lse else self.out_dtype)
 
     def form_entry(self, key: tuple, H: int, D: int, build: Any) -> tuple:
@@ -337,10 +338,17 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
 
 def _allocator(plan: Plan, lse: bool):
     """``(shape, like) -> (output, pointer)``: a new output of the plan's family."""
-    ptr = (lambda x: x.data_ptr()) if plan.torch else _outputs.ptr
+    if plan.torch:
+        empty, dtype, device = plan.empty, plan.t_f32 if lse else plan.t_out, plan.alloc_device
+
+        def alloc_torch(shape: tuple, like: Any) -> tuple:
+            x = empty(*shape, dtype=dtype, device=device)
+            return x, x.data_ptr()
+
+        return alloc_torch
 
     def alloc(shape: tuple, like: Any) -> tuple:
         x = plan.new(like, shape, lse)
-        return x, ptr(x)
+        return x, _outputs.ptr(x)
 
     return alloc
