@@ -129,6 +129,7 @@ def _calls(zk: Any, torch: Any, dev: str, T: int, only_plain: bool = False) -> d
         """The bound call of the plain call, run by the block's executor."""
         from zerokv.core import executor
 
+        plans.recent.clear()  # a cache: the plain call's bound call is then the only one kept
         ms(va, sa, vb, sb, out=out, out_lse=ol)
         bc = next(iter(plans.recent.values()))[0]
         run = executor.run
