@@ -169,7 +169,7 @@ static PyObject *inference_mode;   /* torch.is_inference_mode_enabled, once a si
 static PyObject *unreadable;       /* the exceptions that make a call "not taken" */
 static PyObject *s_requires_grad, *s_is_inference, *s_version, *s_c_state, *s_table, *s_torch_type,
     *s_device, *s_result, *s_allocators, *s_entry, *s_launcher, *s_expr;
-static PyObject *s_consts, *s_stream;
+static PyObject *s_consts, *s_stream, *s_direct;
 static PyObject *s_handle, *s_context, *s_block, *s_grid, *s_per_token, *s_run_tail,
     *s_run_spans, *s_cap, *s_pack, *s_const_bits, *s_nbytes, *s_t_lo, *s_t_hi;
 
@@ -717,9 +717,55 @@ static int arith(const int64_t *rec, int64_t *r)
     return 1;
 }
 
+/* An allocator whose `direct` attribute is (empty, dtype, device): empty(*shape, dtype=dtype,
+ * device=device) called here, its pointer read through the exchange API (no Python frame, no
+ * shape tuple, no data_ptr() call). 1 made (*x owned, *p), 0 no such allocator, -1 an exception
+ * (empty raised: not taken, or raised, as from the allocator itself). */
+static PyObject *dtype_device; /* ("dtype", "device"): empty's keyword names */
+
+static int allocate_direct(const State *st, PyObject *fn, int rank, const int64_t *rec, const int64_t *r,
+                           PyObject **x, int64_t *p)
+{
+    PyObject *direct = PyObject_GetAttr(fn, s_direct);
+    if (direct == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (!PyTuple_CheckExact(direct) || PyTuple_GET_SIZE(direct) != 3 || rank > 4) {
+        Py_DECREF(direct);
+        return 0;
+    }
+    PyObject *argv[6];
+    int n = 0;
+    for (; n < rank; n++)
+        if ((argv[n] = PyLong_FromLongLong(r[rec[5 + n]])) == NULL)
+            break;
+    PyObject *made = NULL;
+    if (n == rank) {
+        argv[rank] = PyTuple_GET_ITEM(direct, 1), argv[rank + 1] = PyTuple_GET_ITEM(direct, 2);
+        made = PyObject_Vectorcall(PyTuple_GET_ITEM(direct, 0), argv, (size_t)rank, dtype_device);
+    }
+    for (int i = 0; i < n; i++)
+        Py_DECREF(argv[i]);
+    Py_DECREF(direct);
+    if (made == NULL)
+        return -1;
+    DLTensor t;
+    if (Py_TYPE(made) != st->type || st->api->dltensor_from_py_object_no_sync(made, &t) != 0) {
+        Py_DECREF(made); /* not the signature's tensor type: the full path sees the call */
+        PyErr_SetString(PyExc_TypeError, "zerokv: an allocated output of another type");
+        return -1;
+    }
+    *x = made;
+    *p = (int64_t)((uintptr_t)t.data + t.byte_offset);
+    return 1;
+}
+
+static int keep_made(const int64_t *rec, Call *c, int64_t *r, int base, int rank, PyObject *x, int64_t p);
+
 /* OP_ALLOC: a new output from bc.allocators[rec[2]](shape, objs[0]) -> (tensor, pointer).
  * 1 done, 0 not taken, -1 an exception. */
-static int allocate(PyObject *bc, const int64_t *rec, Call *c, int64_t *r)
+static int allocate(PyObject *bc, const State *st, const int64_t *rec, Call *c, int64_t *r)
 {
     if (c->nobjs < 1)
         return 0;
@@ -731,6 +777,17 @@ static int allocate(PyObject *bc, const int64_t *rec, Call *c, int64_t *r)
     Py_DECREF(allocators);
     if (fn == NULL)
         return not_taken_or_raise();
+    PyObject *x = NULL;
+    int64_t p = 0;
+    int direct = allocate_direct(st, fn, rank, rec, r, &x, &p);
+    if (direct < 0) {
+        Py_DECREF(fn);
+        return not_taken_or_raise();
+    }
+    if (direct > 0) {
+        Py_DECREF(fn);
+        return keep_made(rec, c, r, base, rank, x, p);
+    }
     PyObject *shape = PyTuple_New(rank);
     if (shape == NULL) {
         Py_DECREF(fn);
@@ -752,14 +809,21 @@ static int allocate(PyObject *bc, const int64_t *rec, Call *c, int64_t *r)
     if (got == NULL)
         return not_taken_or_raise();
     int bad = !PyTuple_Check(got) || PyTuple_GET_SIZE(got) != 2;
-    int64_t p = bad ? 0 : as_i64(PyTuple_GET_ITEM(got, 1), &bad);
+    p = bad ? 0 : as_i64(PyTuple_GET_ITEM(got, 1), &bad);
     if (bad) {
         Py_DECREF(got);
         return 0;
     }
-    PyObject *x = PyTuple_GET_ITEM(got, 0);
+    x = PyTuple_GET_ITEM(got, 0);
     Py_INCREF(x);
     Py_DECREF(got);
+    return keep_made(rec, c, r, base, rank, x, p);
+}
+
+/* A new output x (owned, given to the call) at pointer p, contiguous, of the record's shape,
+ * into tensor block `base`. 1 done, 0 not taken. */
+static int keep_made(const int64_t *rec, Call *c, int64_t *r, int base, int rank, PyObject *x, int64_t p)
+{
     if (!c->any_made) {
         memset(c->made, 0, sizeof(c->made));
         c->any_made = 1;
@@ -1141,7 +1205,7 @@ scalar: {
     NEXT(got);
 }
 alloc:
-    NEXT(allocate(bc, rec, c, r));
+    NEXT(allocate(bc, st, rec, c, r));
 done_if_zero:
     if (r[rec[1]] == 0)
         return result_of(st, c);
@@ -1599,7 +1663,7 @@ PyMODINIT_FUNC PyInit_zerokv_launcher(void)
         {&s_cap, "cap"}, {&s_pack, "pack"}, {&s_const_bits, "const_bits"}, {&s_nbytes, "nbytes"},
         {&s_t_lo, "t_lo"}, {&s_t_hi, "t_hi"}, {&s_consts, "consts"}, {&s_stream, "stream"},
         {&s_run, "run"}, {&s_c_ok, "c_ok"}, {&s_n, "n"}, {&s_empty_rows, "empty_rows"},
-        {&s_float32, "float32"},
+        {&s_float32, "float32"}, {&s_direct, "direct"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
@@ -1613,6 +1677,8 @@ PyMODINIT_FUNC PyInit_zerokv_launcher(void)
         if (unreadable == NULL)
             return NULL;
     }
+    if (dtype_device == NULL && (dtype_device = Py_BuildValue("(ss)", "dtype", "device")) == NULL)
+        return NULL;
     PyObject *m = PyModule_Create(&module_def);
     if (m == NULL)
         return NULL;

@@ -345,6 +345,7 @@ def _allocator(plan: Plan, lse: bool):
             x = empty(*shape, dtype=dtype, device=device)
             return x, x.data_ptr()
 
+        alloc_torch.direct = (empty, dtype, device)  # the compiled executor calls empty itself
         return alloc_torch
 
     def alloc(shape: tuple, like: Any) -> tuple:
