@@ -176,6 +176,11 @@ def _bind_n(plan: NPlan, objs: tuple) -> _bound.BoundCall | None:
         return _binding.entry_for(names, plan, form, launcher, T_, H_, D_)
 
     return t.bound(
-        "merge_states", plan, 7, resolve, (2, 3), (_allocator(plan, False), _allocator(plan, True)),
+        "merge_states",
+        plan,
+        7,
+        resolve,
+        (2, 3),
+        (_allocator(plan, False), _allocator(plan, True)),
         (*regs.values(), *two.values()),
     )

@@ -45,22 +45,46 @@ def run(bc: B.BoundCall, objs: tuple, scalars: tuple) -> Any:
 
 
 class _Registers:
-    """The call's registers: each table register something reads, numbered in order of need."""
+    """The call's registers: each table register something reads, numbered in order of need;
+    ``values``: each one's value at the start of a call. Given the first entry a call launches,
+    its kernel's parameters come first, in its order: its constants in place, a register in
+    its first place (``sliced``: every parameter in its place, the parameters one slice)."""
 
-    def __init__(self, live: set | None) -> None:
+    def __init__(self, live: set | None, first: tuple | None, blocks: list[int]) -> None:
         self.index: dict[int, int] = {}
         self.live = live  # None: every register
-        self.consts: dict[int, int] = {}  # value -> the register holding it
-        self.init: list[tuple[int, int]] = []  # (register, value) set on each call
+        self.values: list = []
+        self.consts: dict[int, int] = {}  # constant -> the register holding it
+        self.first_rest, self.first = first or (None, None)
+        self.sliced = False
+        first = self.first
+        # the blocks read by loop keep their registers one after another (not in the parameters)
+        held = {b + i for b in blocks for i in range(B.TENSOR_REGS)}
+        if first is not None and all(
+            s >= B.CONST_BASE or s == B.R_ZERO or live is None or s in live for s in first.srcs
+        ):
+            apart = False  # a parameter not in its place: a register's second place, or held
+            for src in first.srcs:
+                apart |= src in held or (src in self.index and src != B.R_ZERO)
+                if src >= B.CONST_BASE:
+                    self.values.append(first.consts[src - B.CONST_BASE])
+                elif src in held:
+                    self.values.append(0)
+                else:  # each place of R_ZERO a zero of its own: nothing writes them
+                    self.index.setdefault(src, len(self.values))
+                    self.values.append(1 if src == B.R_ONE else 0)
+            self.sliced = not apart
+        for b in blocks:
+            for i in range(B.TENSOR_REGS):
+                self.at(b + i)
         self.at(B.R_ZERO)
         self.sink = self.at(_SINK)
 
     def at(self, reg: int) -> int:
         i = self.index.get(reg)
         if i is None:
-            i = self.index[reg] = len(self.index) + len(self.consts)
-            if reg == B.R_ONE:
-                self.init.append((i, 1))
+            i = self.index[reg] = len(self.values)
+            self.values.append(1 if reg == B.R_ONE else 0)
         return i
 
     def kept(self, reg: int) -> int:
@@ -70,16 +94,15 @@ class _Registers:
     def const(self, k: int) -> int:
         i = self.consts.get(k)
         if i is None:
-            i = self.consts[k] = len(self.index) + len(self.consts)
-            self.init.append((i, k))
+            i = self.consts[k] = len(self.values)
+            self.values.append(k)
         return i
 
-    def size(self) -> int:
-        return len(self.index) + len(self.consts)
 
-
-def _decode(bc: B.BoundCall) -> Any:
-    """The function of ``bc``'s call: its steps, key, launches and result."""
+def _decode(bc: B.BoundCall, first: tuple | None = None) -> Any:
+    """The function of ``bc``'s call: its steps, key, launches and result; ``first``: the rest of
+    the key and the entry of its first launch (its parameters first among the registers), None
+    before it."""
     key = bc.records[-1]
     if key[0] != B.OP_KEY:
         raise RuntimeError(f"zerokv: the bound call of {bc.name} does not end with its key")
@@ -96,11 +119,8 @@ def _decode(bc: B.BoundCall) -> Any:
         elif j >= pure or not _fold(rec, reads, items, absent):
             items.append(rec)
     _positive(reads)
-    R = _Registers(_live(bc, items, key))  # noqa: N806
-    for rd in reads.values():  # a read by loop writes its block's registers one after another
-        if not rd.named:
-            for i in range(B.TENSOR_REGS):
-                R.at(rd.base + i)
+    blocks = [rd.base for rd in reads.values() if not rd.named]
+    R = _Registers(_live(bc, items, key), first, blocks)  # noqa: N806
     acc = tuple(
         R.at(x) if R.live is None or x in R.live else None for x in (B.R_WIDEST, B.R_STOR, B.R_MISALIGN)
     )
@@ -209,31 +229,35 @@ def _fold(rec: tuple, reads: dict, items: list, absent: list) -> bool:
 
 def _call(bc: B.BoundCall, steps: tuple, key_of: Any, R: _Registers, absent: tuple | None) -> Any:  # noqa: N803
     """The call: absent arguments, registers, steps, the form's launch, the result."""
-    size, init, made = R.size(), tuple(R.init), R.index.get(S.MADE, -1)
-    one = init[0] if len(init) == 1 else None
-    many = init if len(init) > 1 else ()
+    values, made = R.values, R.index.get(S.MADE, -1)
+    size, fresh = len(values), all(type(v) is int and not v for v in values)
     lo, hi = absent or (0, 0)
     result = _result_of(bc.result, made)
     launches: dict = {}  # form key -> (launch, grid, grid_y, parameters' getter, constants)
-    entries: dict = {}  # the rest of a form key -> [(entry, parameters' getter)] met so far
+    entries: dict = {}  # the rest of a form key -> [(entry, getter, constants)] met so far
+    if R.first is not None:  # the entry the registers are ordered for serves its interval
+        entries[R.first_rest] = [(R.first, *_params(bc, R.first, R))]
     stream, device = bc.stream, bc.device
 
     def launch_of(key: tuple) -> tuple:
         """The launch of a key met for the first time: the entry of its T's interval (from the
-        entries met so far, else the bound call's), the grid of its T."""
+        entries met so far, else the bound call's), the grid of its T. The first entry met
+        orders the registers of the calls after it (:class:`_Registers`)."""
         T, rest = key[0], key[1:]
         met = entries.setdefault(rest, [])
-        for e, get in met:  # noqa: B007 - the getter of the entry found
+        for e, get, consts in met:  # noqa: B007 - the entry found and its getter
             if e.t_lo <= T < e.t_hi:
                 break
         else:
             e = bc.forms.get(key) or bc.entry(T, rest)
-            get = _params(bc, e, R)
-            met.append((e, get))
+            get, consts = _params(bc, e, R)
+            met.append((e, get, consts))
+            if R.first is None:
+                _decode(bc, (rest, e))
         if len(launches) >= _FORMS_LIMIT:
             launches.clear()
             entries.clear()
-        hit = launches[key] = (e.launcher.launch_values, *B.grid(e, T), get, e.consts)
+        hit = launches[key] = (e.launcher.launch_values, *B.grid(e, T), get, consts)
         return hit
 
     def call(objs: tuple, scalars: tuple) -> Any:
@@ -241,11 +265,7 @@ def _call(bc: B.BoundCall, steps: tuple, key_of: Any, R: _Registers, absent: tup
             for x in objs[lo:hi]:
                 if x is not None:
                     return None
-        r = [0] * size
-        if one:
-            r[one[0]] = one[1]
-        for i, v in many:
-            r[i] = v
+        r = [0] * size if fresh else values.copy()
         try:
             for step in steps:
                 v = step(r, objs, scalars)
@@ -255,17 +275,20 @@ def _call(bc: B.BoundCall, steps: tuple, key_of: Any, R: _Registers, absent: tup
         except _UNREADABLE:
             return None
         launch, grid, grid_y, get, consts = launches.get(key) or launch_of(key)
-        r += consts  # the form's constants after the call's registers
+        if consts:
+            r += consts  # another entry's constants after the call's registers
         launch(grid, grid_y, stream(device), get(r))
         return result(objs, r)
 
     return call
 
 
-def _params(bc: B.BoundCall, e: B.Entry, R: _Registers) -> Any:  # noqa: N803
-    """The getter of entry ``e``'s kernel parameters from the call's registers, its constants
-    after them."""
-    size, idx = R.size(), []
+def _params(bc: B.BoundCall, e: B.Entry, R: _Registers) -> tuple:  # noqa: N803
+    """The getter of entry ``e``'s kernel parameters from the call's registers and the constants
+    to put after them first (none for the entry whose parameters are in place)."""
+    if e is R.first and R.sliced:
+        return itemgetter(slice(0, len(e.srcs))), ()
+    size, idx = len(R.values), []
     for src in e.srcs:
         if src >= B.CONST_BASE:
             idx.append(size + src - B.CONST_BASE)
@@ -275,7 +298,7 @@ def _params(bc: B.BoundCall, e: B.Entry, R: _Registers) -> Any:  # noqa: N803
             idx.append(R.index[B.R_ZERO])
         else:
             raise RuntimeError(f"zerokv: {bc.name}'s kernel reads register {src}, not among its parameters'")
-    return itemgetter(*idx) if len(idx) > 1 else (lambda r, i=idx[0]: (r[i],))
+    return (itemgetter(*idx) if len(idx) > 1 else (lambda r, i=idx[0]: (r[i],))), e.consts
 
 
 def _result_of(slots: tuple, made: int) -> Any:

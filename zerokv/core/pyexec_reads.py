@@ -59,9 +59,124 @@ def reader(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
     the widest span, the OR of strides and the misalignment (None: read by nothing)."""
     if not rd.named:
         return _readn(rd, at, acc)
-    if rd.rank == 3:
-        return _read3(rd, at, kept, acc)
-    return _read2(rd, at, kept, acc)
+    c = _common(rd, at, kept, acc)
+    if rd.gen or rd.binds or c["store_n"] or not rd.pos or c["acc_mis"]:
+        return (_read3 if rd.rank == 3 else _read2)(rd, at, kept, acc)
+    aligned = bool(rd.flags & B.F_ALIGN)
+    if rd.rank == 3 and c["unit"] and aligned == c["inner"]:
+        return _check3(rd, c)
+    if rd.rank == 2 and not c["unit"]:
+        return _check2(rd, c)
+    return (_read3 if rd.rank == 3 else _read2)(rd, at, kept, acc)
+
+
+def _check3(rd: Read, c: dict) -> Any:
+    """A 3-D tensor of torch's whose sizes are those of a read before it (positive), its inner
+    stride unit, aligned (no misalignment) or not: the read of the common case, by name."""
+    slot, tt, dt, dev, isz, p_at, e_at = (c[k] for k in ("slot", "tt", "dt", "dev", "isz", "p_at", "e_at"))
+    (s0_at, s1_at, s2_at), (q0, q1, q2), W, S = c["s_at"], c["q"], c["W"], c["S"]  # noqa: N806
+    aligned, align, width = c["zero"], c["align"], c["width"]
+    out, dist, plain, exact, cheap = c["out"], c["dist"], c["plain"], c["exact"], writable_cheap
+    dinner = rd.inner >= 0 and rd.inner != B.R_ONE  # the DISTINCT's inner extent: the last size
+
+    def step(r: list, objs: tuple, scalars: tuple) -> Any:
+        x = objs[slot]
+        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+            return False
+        n0, n1, n2 = x.shape
+        if n0 != r[q0] or n1 != r[q1] or n2 != r[q2]:
+            return False
+        s0, s1, s2 = x.stride()
+        sor = s0 | s1 | s2
+        if sor < 0 or (n2 > 1 and s2 != 1):
+            return False
+        p = x.data_ptr()
+        if aligned and (p % align or (s0 | s1 | n2) % width):
+            return False
+        span = (n0 - 1) * s0 + (n1 - 1) * s1 + n2
+        e = p + span * isz
+        r[p_at] = p
+        r[s0_at] = s0
+        r[s1_at] = s1
+        r[s2_at] = s2
+        r[e_at] = e
+        r[S] |= sor
+        if span > r[W]:
+            r[W] = span
+        if out:
+            try:  # writable: no grad, a version counter (no inference tensor), else the rule
+                ok = not x.requires_grad and x._version is not None
+            except RuntimeError:
+                ok = False
+            if not ok and not cheap(x):
+                return False
+            w = n2 if dinner else 1
+            # the row-major layout first (layout.distinct's first case), then the rule
+            if dist and not (s1 >= w and s0 >= (n1 - 1) * s1 + w) and not distinct(n0, s0, n1, s1, w):
+                return False
+            for b, b_end in plain:
+                if r[b] < e and p < r[b_end]:
+                    return False
+            for b, b_end, b_s0, b_s1 in exact:
+                if r[b] < e and p < r[b_end] and not (r[b] == p and r[b_s0] == s0 and r[b_s1] == s1):
+                    return False
+        return None
+
+    return step
+
+
+def _check2(rd: Read, c: dict) -> Any:
+    """A 2-D tensor of torch's (or the transpose of one) whose sizes are those of a read before
+    it (positive), unaligned: the read of the common case, by name."""
+    slot, tt, dt, dev, isz, p_at, e_at = (c[k] for k in ("slot", "tt", "dt", "dev", "isz", "p_at", "e_at"))
+    (s0_at, s1_at, _), (q0, q1), W, S = c["s_at"], c["q"], c["W"], c["S"]  # noqa: N806
+    out, dist, plain, exact, cheap = c["out"], c["dist"], c["plain"], c["exact"], writable_cheap
+    flip = rd.flags & B.F_TRANSPOSE
+
+    def step(r: list, objs: tuple, scalars: tuple) -> Any:
+        x = objs[slot]
+        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+            return False
+        if flip:
+            n1, n0 = x.shape
+            s1, s0 = x.stride()
+        else:
+            n0, n1 = x.shape
+            s0, s1 = x.stride()
+        if n0 != r[q0] or n1 != r[q1]:
+            return False
+        sor = s0 | s1
+        if sor < 0:
+            return False
+        p = x.data_ptr()
+        span = (n0 - 1) * s0 + (n1 - 1) * s1 + 1
+        e = p + span * isz
+        r[p_at] = p
+        r[s0_at] = s0
+        r[s1_at] = s1
+        r[e_at] = e
+        r[S] |= sor
+        if span > r[W]:
+            r[W] = span
+        if out:
+            try:  # writable: no grad, a version counter (no inference tensor), else the rule
+                ok = not x.requires_grad and x._version is not None
+            except RuntimeError:
+                ok = False
+            if not ok and not cheap(x):
+                return False
+            # the row-major layout first (layout.distinct's first case), then the rule
+            if dist and not (s1 >= 1 and s0 >= (n1 - 1) * s1 + 1) and not distinct(n0, s0, n1, s1, 1):
+                return False
+            for b, b_end in plain:
+                if r[b] < e and p < r[b_end]:
+                    return False
+            for b, b_end, b_s0, b_s1 in exact:
+                if r[b] < e and p < r[b_end] and not (r[b] == p and r[b_s0] == s0 and r[b_s1] == s1):
+                    return False
+        return None
+
+    return step
 
 
 def _common(rd: Read, at: Any, kept: Any, acc: tuple) -> dict:
