@@ -25,7 +25,7 @@ from typing import Any
 from . import bound as B
 from . import pyexec_steps as S
 from .generic_tensors import _Generic
-from .pyexec_reads import Read, others, reader
+from .pyexec_reads import Read, others, pair, reader
 
 _UNREADABLE = (AttributeError, TypeError, ValueError, RuntimeError, IndexError)
 _FORMS_LIMIT = 4096  # keys whose launch a call keeps; past it, it starts again
@@ -124,25 +124,28 @@ def _decode(bc: B.BoundCall, first: tuple | None = None) -> Any:
     acc = tuple(
         R.at(x) if R.live is None or x in R.live else None for x in (B.R_WIDEST, B.R_STOR, B.R_MISALIGN)
     )
-    steps, run_ = [], []
-    for it in items:
+    steps, run_, j = [], [], 0
+    while j < len(items):
+        it, j = items[j], j + 1
         if type(it) is not Read and it[0] == B.OP_ARITH:
             run_.append(it)
             continue
         if run_:
             steps.append(S.arith(run_, R))
             run_ = []
-        if type(it) is Read:
-            steps.append(reader(it, R.at, R.kept, acc))
-        else:
+        if type(it) is not Read:
             steps.append(S.MAKERS[it[0]](it, bc, R))
-    steps += [S.arith(run_, R)] if run_ else []
+            continue
+        both = pair(it, items[j], R.at, R.kept, acc) if j < len(items) and type(items[j]) is Read else None
+        steps.append(both or reader(it, R.at, R.kept, acc))
+        j += both is not None  # a state's V and LSE in one step
+    tail = S.arith_ops(run_, R)  # the arithmetic after the last step: run in the call itself
     slots = sorted(i for rec in absent for i in range(64) if rec[1] >> i & 1)
     run_of = (slots[0], slots[-1] + 1) if slots and slots[-1] - slots[0] + 1 == len(slots) else None
     if absent and run_of is None:  # not one run of slots: a step that checks them one by one
         steps.insert(0, S.absent(absent, bc, R))
     key_of = itemgetter(*(R.at(x) for x in (key[1], *key[3 : 3 + key[2]])))
-    bc.steps = _call(bc, tuple(steps), key_of, R, run_of)
+    bc.steps = _call(bc, tuple(steps), tail, key_of, R, run_of)
     return bc.steps
 
 
@@ -227,12 +230,14 @@ def _fold(rec: tuple, reads: dict, items: list, absent: list) -> bool:
     return True
 
 
-def _call(bc: B.BoundCall, steps: tuple, key_of: Any, R: _Registers, absent: tuple | None) -> Any:  # noqa: N803
-    """The call: absent arguments, registers, steps, the form's launch, the result."""
+def _call(
+    bc: B.BoundCall, steps: tuple, tail: tuple, key_of: Any, R: _Registers, absent: tuple | None
+) -> Any:  # noqa: N803
+    """The call: absent arguments, registers, steps, arithmetic, the form's launch, the result."""
     values, made = R.values, R.index.get(S.MADE, -1)
     size, fresh = len(values), all(type(v) is int and not v for v in values)
     lo, hi = absent or (0, 0)
-    result = _result_of(bc.result, made)
+    given, result = _result_of(bc.result, made)
     launches: dict = {}  # form key -> (launch, grid, grid_y, parameters' getter, constants)
     entries: dict = {}  # the rest of a form key -> [(entry, getter, constants)] met so far
     if R.first is not None:  # the entry the registers are ordered for serves its interval
@@ -270,7 +275,9 @@ def _call(bc: B.BoundCall, steps: tuple, key_of: Any, R: _Registers, absent: tup
             for step in steps:
                 v = step(r, objs, scalars)
                 if v is not None:
-                    return None if v is False else result(objs, r)
+                    return None if v is False else given(objs) if given else result(objs, r)
+            for d, f, a, b in tail:
+                r[d] = f(r[a], r[b])
             key = key_of(r)
         except _UNREADABLE:
             return None
@@ -278,7 +285,7 @@ def _call(bc: B.BoundCall, steps: tuple, key_of: Any, R: _Registers, absent: tup
         if consts:
             r += consts  # another entry's constants after the call's registers
         launch(grid, grid_y, stream(device), get(r))
-        return result(objs, r)
+        return given(objs) if given else result(objs, r)
 
     return call
 
@@ -301,12 +308,14 @@ def _params(bc: B.BoundCall, e: B.Entry, R: _Registers) -> tuple:  # noqa: N803
     return (itemgetter(*idx) if len(idx) > 1 else (lambda r, i=idx[0]: (r[i],))), e.consts
 
 
-def _result_of(slots: tuple, made: int) -> Any:
+def _result_of(slots: tuple, made: int) -> tuple:
+    """``(given, result)``: the call's result from its objects (``given(objs)``) where it
+    allocates nothing, else from them and the outputs it made (``result(objs, r)``)."""
     if not slots:
-        return lambda objs, r: True
+        return (lambda objs: True), None
     get = itemgetter(*slots) if len(slots) > 1 else (lambda objs: (objs[slots[0]],))
     if made < 0:
-        return lambda objs, r: get(objs)
+        return get, None
 
     def result(objs: tuple, r: list) -> tuple:
         m = r[made]
@@ -314,4 +323,4 @@ def _result_of(slots: tuple, made: int) -> Any:
             return get(objs)
         return tuple([m[i] if i in m else objs[i] for i in slots])
 
-    return result
+    return None, result

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import bound as B
+from . import pyexec_fast_reads as fast
 from .generic_tensors import generic, writable_cheap
 from .layout import distinct
 
@@ -59,127 +60,38 @@ def reader(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
     the widest span, the OR of strides and the misalignment (None: read by nothing)."""
     if not rd.named:
         return _readn(rd, at, acc)
-    c = _common(rd, at, kept, acc)
-    if rd.gen or rd.binds or c["store_n"] or not rd.pos or c["acc_mis"]:
-        return (_read3 if rd.rank == 3 else _read2)(rd, at, kept, acc)
-    aligned = bool(rd.flags & B.F_ALIGN)
-    if rd.rank == 3 and c["unit"] and aligned == c["inner"]:
-        return _check3(rd, c)
-    if rd.rank == 2 and not c["unit"]:
-        return _check2(rd, c)
+    c = common(rd, at, kept, acc)
+    kind = _usual(rd, c)
+    if kind:
+        return fast.read3(c) if kind == 3 else fast.read2(c)
     return (_read3 if rd.rank == 3 else _read2)(rd, at, kept, acc)
 
 
-def _check3(rd: Read, c: dict) -> Any:
-    """A 3-D tensor of torch's whose sizes are those of a read before it (positive), its inner
-    stride unit, aligned (no misalignment) or not: the read of the common case, by name."""
-    slot, tt, dt, dev, isz, p_at, e_at = (c[k] for k in ("slot", "tt", "dt", "dev", "isz", "p_at", "e_at"))
-    (s0_at, s1_at, s2_at), (q0, q1, q2), W, S = c["s_at"], c["q"], c["W"], c["S"]  # noqa: N806
-    aligned, align, width = c["zero"], c["align"], c["width"]
-    out, dist, plain, exact, cheap = c["out"], c["dist"], c["plain"], c["exact"], writable_cheap
-    dinner = rd.inner >= 0 and rd.inner != B.R_ONE  # the DISTINCT's inner extent: the last size
-
-    def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        x = objs[slot]
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
-            return False
-        n0, n1, n2 = x.shape
-        if n0 != r[q0] or n1 != r[q1] or n2 != r[q2]:
-            return False
-        s0, s1, s2 = x.stride()
-        sor = s0 | s1 | s2
-        if sor < 0 or (n2 > 1 and s2 != 1):
-            return False
-        p = x.data_ptr()
-        if aligned and (p % align or (s0 | s1 | n2) % width):
-            return False
-        span = (n0 - 1) * s0 + (n1 - 1) * s1 + n2
-        e = p + span * isz
-        r[p_at] = p
-        r[s0_at] = s0
-        r[s1_at] = s1
-        r[s2_at] = s2
-        r[e_at] = e
-        r[S] |= sor
-        if span > r[W]:
-            r[W] = span
-        if out:
-            try:  # writable: no grad, a version counter (no inference tensor), else the rule
-                ok = not x.requires_grad and x._version is not None
-            except RuntimeError:
-                ok = False
-            if not ok and not cheap(x):
-                return False
-            w = n2 if dinner else 1
-            # the row-major layout first (layout.distinct's first case), then the rule
-            if dist and not (s1 >= w and s0 >= (n1 - 1) * s1 + w) and not distinct(n0, s0, n1, s1, w):
-                return False
-            for b, b_end in plain:
-                if r[b] < e and p < r[b_end]:
-                    return False
-            for b, b_end, b_s0, b_s1 in exact:
-                if r[b] < e and p < r[b_end] and not (r[b] == p and r[b_s0] == s0 and r[b_s1] == s1):
-                    return False
+def pair(v: Read, s: Read, at: Any, kept: Any, acc: tuple) -> Any:
+    """One step that reads ``v`` then ``s`` (:func:`pyexec_fast_reads.pair`) where ``v`` is a
+    usual 3-D read, ``s`` a usual 2-D one whose sizes are ``v``'s first two, both inputs or both
+    outputs; else None."""
+    if not (v.named and s.named):
         return None
-
-    return step
-
-
-def _check2(rd: Read, c: dict) -> Any:
-    """A 2-D tensor of torch's (or the transpose of one) whose sizes are those of a read before
-    it (positive), unaligned: the read of the common case, by name."""
-    slot, tt, dt, dev, isz, p_at, e_at = (c[k] for k in ("slot", "tt", "dt", "dev", "isz", "p_at", "e_at"))
-    (s0_at, s1_at, _), (q0, q1), W, S = c["s_at"], c["q"], c["W"], c["S"]  # noqa: N806
-    out, dist, plain, exact, cheap = c["out"], c["dist"], c["plain"], c["exact"], writable_cheap
-    flip = rd.flags & B.F_TRANSPOSE
-
-    def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        x = objs[slot]
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
-            return False
-        if flip:
-            n1, n0 = x.shape
-            s1, s0 = x.stride()
-        else:
-            n0, n1 = x.shape
-            s0, s1 = x.stride()
-        if n0 != r[q0] or n1 != r[q1]:
-            return False
-        sor = s0 | s1
-        if sor < 0:
-            return False
-        p = x.data_ptr()
-        span = (n0 - 1) * s0 + (n1 - 1) * s1 + 1
-        e = p + span * isz
-        r[p_at] = p
-        r[s0_at] = s0
-        r[s1_at] = s1
-        r[e_at] = e
-        r[S] |= sor
-        if span > r[W]:
-            r[W] = span
-        if out:
-            try:  # writable: no grad, a version counter (no inference tensor), else the rule
-                ok = not x.requires_grad and x._version is not None
-            except RuntimeError:
-                ok = False
-            if not ok and not cheap(x):
-                return False
-            # the row-major layout first (layout.distinct's first case), then the rule
-            if dist and not (s1 >= 1 and s0 >= (n1 - 1) * s1 + 1) and not distinct(n0, s0, n1, s1, 1):
-                return False
-            for b, b_end in plain:
-                if r[b] < e and p < r[b_end]:
-                    return False
-            for b, b_end, b_s0, b_s1 in exact:
-                if r[b] < e and p < r[b_end] and not (r[b] == p and r[b_s0] == s0 and r[b_s1] == s1):
-                    return False
+    c, d = common(v, at, kept, acc), common(s, at, kept, acc)
+    dims = (v.base + 1, v.base + 2) if v.binds else v.rec[8:10]
+    if _usual(v, c) != 3 or _usual(s, d) != 2 or c["out"] != d["out"] or tuple(s.rec[8:10]) != tuple(dims):
         return None
+    return fast.pair(c, d)
 
-    return step
+
+def _usual(rd: Read, c: dict) -> int:
+    """3 or 2 where ``rd`` is a read of :mod:`pyexec_fast_reads` (a torch tensor, its sizes known
+    positive, no misalignment to keep: a 3-D one of unit inner stride, a 2-D one unaligned whose
+    sizes are a read's before it), else 0."""
+    if rd.gen or not rd.pos or c["acc_mis"] or (c["store_n"] and not rd.binds):
+        return 0
+    if rd.rank == 3 and c["unit"] and bool(rd.flags & B.F_ALIGN) == c["inner"]:
+        return 3
+    return 2 if rd.rank == 2 and not c["unit"] and not rd.binds else 0
 
 
-def _common(rd: Read, at: Any, kept: Any, acc: tuple) -> dict:
+def common(rd: Read, at: Any, kept: Any, acc: tuple) -> dict:
     """What both reads by name take: constants, register indices, the folded checks."""
     rec, base = rd.rec, rd.base
     widest, stor, mis = acc
@@ -196,6 +108,8 @@ def _common(rd: Read, at: Any, kept: Any, acc: tuple) -> dict:
         "plain": tuple((at(b), at(e)) for b, e, _, _, x in apart if not x),
         "exact": tuple((at(b), at(e), at(s0), at(s1)) for b, e, s0, s1, x in apart if x),
         "dist": rd.inner >= 0, "pos": rd.pos, "unit": bool(rd.flags & B.F_UNIT_INNER),
+        "flip": bool(rd.flags & B.F_TRANSPOSE),
+        "dinner": rd.inner >= 0 and rd.inner != B.R_ONE,  # the DISTINCT's inner extent: the last size
     }  # fmt: skip
     # one of the accumulators read: both kept (the other to the sink)
     c["W"], c["S"] = (x if x is not None else kept(-1) for x in (widest, stor))
@@ -225,7 +139,7 @@ def _writable(x: Any, gen: bool) -> bool:
 
 def _read3(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
     """A 3-D tensor read by name."""
-    c = _common(rd, at, kept, acc)
+    c = common(rd, at, kept, acc)
     slot, tt, dt, dev, gen, isz, p_at, e_at = (
         c[k] for k in ("slot", "tt", "dt", "dev", "gen", "isz", "p_at", "e_at")
     )
@@ -301,7 +215,7 @@ def _read3(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
 
 def _read2(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
     """A 2-D tensor (or the transpose of one) read by name, unaligned."""
-    c = _common(rd, at, kept, acc)
+    c = common(rd, at, kept, acc)
     slot, tt, dt, dev, gen, isz, p_at, e_at = (
         c[k] for k in ("slot", "tt", "dt", "dev", "gen", "isz", "p_at", "e_at")
     )

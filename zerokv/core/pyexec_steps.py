@@ -21,7 +21,7 @@ MADE = -2  # the register of the outputs a call allocated ({slot: tensor})
 _OPS = {
     B.A_ADD: operator.add, B.A_SUB: operator.sub, B.A_MUL: operator.mul, B.A_OR: operator.or_,
     B.A_AND: operator.and_, B.A_EQ: operator.eq, B.A_LT: operator.lt, B.A_NE: operator.ne,
-    B.A_MAX: max, B.A_GT: operator.gt,
+    B.A_MAX: lambda a, b: a if a >= b else b, B.A_GT: operator.gt,  # max() of two: slower
 }  # fmt: skip
 
 
@@ -38,12 +38,18 @@ def absent(recs: list, bc: B.BoundCall, R: Any) -> Any:  # noqa: N803
     return step
 
 
-def arith(recs: list, R: Any) -> Any:  # noqa: N803
-    """Consecutive arithmetic records (``r[d] = f(r[a], r[b] or k)``) as one step."""
-    ops = tuple(
+def arith_ops(recs: list, R: Any) -> tuple:  # noqa: N803
+    """Arithmetic records as ``(d, f, a, b)``: ``r[d] = f(r[a], r[b])`` (a constant operand in a
+    register of its own)."""
+    return tuple(
         (R.kept(rec[1]), _OPS[rec[2]], R.at(rec[3]), R.at(rec[4]) if rec[4] >= 0 else R.const(rec[5]))
         for rec in recs
     )
+
+
+def arith(recs: list, R: Any) -> Any:  # noqa: N803
+    """Consecutive arithmetic records as one step."""
+    ops = arith_ops(recs, R)
 
     def step(r: list, objs: tuple, scalars: tuple) -> None:
         for d, f, a, b in ops:
