@@ -158,10 +158,10 @@ class Table:
     def bound(self, name: str, plan: Any, n_slots: int, resolve: Any, result: tuple = (),
               allocators: tuple = (), params: Any = None) -> B.BoundCall:  # fmt: skip
         """The bound call of the records; ``params``: the registers ``resolve``'s entries read
-        their kernels' parameters from (the names of ``self.regs`` unless given)."""
+        their kernels' parameters from (None: any register)."""
         return B.BoundCall(
             name, self.records, self.dtypes, plan.tensor_type, plan.device, n_slots, resolve, plan.stream,
-            result, allocators, self.regs.values() if params is None else params,
+            result, allocators, params,
         )  # fmt: skip
 
 

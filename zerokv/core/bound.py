@@ -5,8 +5,8 @@ A signature's first call is fully validated; then its bound call is built from t
 (which arguments are given, producer, dtype, device, rank, shapes, unit strides, alignment,
 writable outputs whose elements are distinct and that share no byte with another tensor or
 alias one exactly) and which registers hold the values the form key and the kernel's
-parameters read. Two executors run the same table: the compiled one (``launcher.c``) and
-:func:`run` here. A call the table does not take returns False and goes to the full
+parameters read. Two executors run the same table: the compiled one (``launcher.c``) and the
+Python one (:mod:`zerokv.core.pyexec`). A call the table does not take returns False and goes to the full
 validation, which raises with the caller's names or builds the call's own signature.
 
 Registers are 64-bit integers: ``R_ZERO``/``R_ONE`` constants, accumulators, scalar arguments,
@@ -16,7 +16,6 @@ then values derived by the table's arithmetic and, at launch, the form's constan
 
 from __future__ import annotations
 
-from operator import itemgetter
 from typing import Any
 
 RECORD = 16  # integers per record
@@ -74,7 +73,7 @@ class Entry:
 
     __slots__ = (
         "launcher", "kernel", "handle", "context", "block", "grid", "per_token", "run_tail",
-        "run_spans", "srcs", "getter", "consts", "nbytes", "t_lo", "t_hi", "pack", "const_bits", "cap",
+        "run_spans", "srcs", "consts", "nbytes", "t_lo", "t_hi", "pack", "const_bits", "cap",
     )  # fmt: skip
 
 
@@ -165,7 +164,6 @@ def make_entry(launcher: Any, form: Any, t_lo: int, t_hi: int, regs: dict[str, i
     if len(cvals) > N_CONSTS:
         raise RuntimeError(f"zerokv: {form.kernel.name} has more constants than registers")
     e.srcs, e.consts, e.const_bits, e.pack = tuple(srcs), tuple(cvals), tuple(bits), tuple(pack)
-    e.getter = itemgetter(*srcs) if len(srcs) > 1 else (lambda r, i=srcs[0]: (r[i],))
     e.nbytes = offset + (-offset % 8)
     return e
 

@@ -3,8 +3,8 @@
 A bound call's records become, once, one function of the call (``bc.steps``): a few closures
 over the records' integers (its steps) run in order on a fresh register list, then the form of
 its key, the kernel's parameters from the registers, the launch. A step returns None to go on,
-False when the table does not take the call (the full validation then sees it), or ``pyexec_steps.DONE``
-when there is nothing to launch. No source is generated.
+False when the table does not take the call (the full validation then sees it), or
+``pyexec_steps.DONE`` when there is nothing to launch. No source is generated.
 
 A tensor's read (:mod:`zerokv.core.pyexec_reads`) also makes the checks that need only it and
 the tensors read before it (its sizes' ranges, a zero misalignment, an output's distinct
@@ -14,7 +14,10 @@ refused, as the table says.
 
 The call's registers are the table's that something reads (a step, the key or a kernel
 parameter, ``bc.params``), numbered anew one after another; a value nothing reads goes to one
-sink register. The launch of a key (entry, grid, parameters' registers) is found once.
+sink register. The launch of a key (entry, grid, parameters' getter) is found once, and a new
+T's entry among those of its interval. The first entry launched orders the registers of the
+calls after it: its kernel's parameters first, in its order, its constants in place, so that
+they are one slice of the registers.
 """
 
 from __future__ import annotations
@@ -240,8 +243,9 @@ def _call(
     given, result = _result_of(bc.result, made)
     launches: dict = {}  # form key -> (launch, grid, grid_y, parameters' getter, constants)
     entries: dict = {}  # the rest of a form key -> [(entry, getter, constants)] met so far
-    if R.first is not None:  # the entry the registers are ordered for serves its interval
-        entries[R.first_rest] = [(R.first, *_params(bc, R.first, R))]
+    # the entry the registers are ordered for serves its interval
+    seed = {R.first_rest: (R.first, *_params(bc, R.first, R))} if R.first is not None else {}
+    entries.update((rest, [hit]) for rest, hit in seed.items())
     stream, device = bc.stream, bc.device
 
     def launch_of(key: tuple) -> tuple:
@@ -262,6 +266,7 @@ def _call(
         if len(launches) >= _FORMS_LIMIT:
             launches.clear()
             entries.clear()
+            entries.update((rest, [hit]) for rest, hit in seed.items())
         hit = launches[key] = (e.launcher.launch_values, *B.grid(e, T), get, consts)
         return hit
 
@@ -301,7 +306,7 @@ def _params(bc: B.BoundCall, e: B.Entry, R: _Registers) -> tuple:  # noqa: N803
             idx.append(size + src - B.CONST_BASE)
         elif src in R.index:
             idx.append(R.index[src])
-        elif R.live is None:  # a register nothing writes: zero
+        elif R.live is None or src in R.live:  # a register nothing writes: zero
             idx.append(R.index[B.R_ZERO])
         else:
             raise RuntimeError(f"zerokv: {bc.name}'s kernel reads register {src}, not among its parameters'")

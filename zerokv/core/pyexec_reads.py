@@ -4,7 +4,8 @@ a bound call, with the checks folded into it, becomes one function chosen once f
 A 3-D tensor and an unaligned 2-D one (or the transpose of one) whose sizes are all bound by
 the read or all compared with registers are read by name, the rest by loop. A read by name
 writes only the registers something reads later (the others go to a sink register) and skips
-the accumulators (widest span, OR of strides, misalignment) that nothing reads.
+the accumulators (widest span, OR of strides, misalignment) that nothing reads; the usual ones
+are :mod:`zerokv.core.pyexec_fast_reads`'s, the rest this module's.
 """
 
 from __future__ import annotations
