@@ -3,7 +3,7 @@ torch tensors whose sizes are known positive, a 3-D one with a unit inner stride
 no misalignment, or unaligned) and an unaligned 2-D one (or the transpose of one) whose sizes
 are a read's before it; and a state's V and LSE in one step, the LSE's sizes V's first two.
 Each without the branches of the general reads; ``c``: a read's constants and register indices
-(``pyexec_reads.common``).
+(``pyexec_reads.common``). And a 1-D input, unaligned, its size bound or compared.
 
 An output's checks end its read: writable (no grad and a version counter: no inference tensor;
 else ``writable_cheap``), distinct elements (the row-major layout first, then
@@ -16,6 +16,36 @@ from typing import Any
 
 from .generic_tensors import writable_cheap
 from .layout import distinct
+
+
+def read1(c: dict) -> Any:
+    """A 1-D input: its size bound here (no range: the table's records check it) or a register's."""
+    slot, tt, dt, dev, isz, p_at, e_at = (c[k] for k in ("slot", "tt", "dt", "dev", "isz", "p_at", "e_at"))
+    n_at, s_at, q, unit, W, S = (c[k] for k in ("n_at", "s_at", "q", "unit", "W", "S"))  # noqa: N806
+    bind = q < 0
+
+    def step(r: list, objs: tuple, scalars: tuple) -> Any:
+        x = objs[slot]
+        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+            return False
+        (n,) = x.shape
+        if not bind and n != r[q]:
+            return False
+        (s,) = x.stride()
+        if s < 0 or (unit and n > 1 and s != 1):
+            return False
+        p = x.data_ptr()
+        span = (n - 1) * s + 1 if n else 0
+        r[p_at] = p
+        r[n_at] = n
+        r[s_at] = s
+        r[e_at] = p + span * isz
+        r[S] |= s
+        if span > r[W]:
+            r[W] = span
+        return None
+
+    return step
 
 
 def read3(c: dict) -> Any:

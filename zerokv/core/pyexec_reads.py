@@ -60,7 +60,8 @@ def reader(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
     that index for a register something reads later, else the sink's; ``acc``: the indices of
     the widest span, the OR of strides and the misalignment (None: read by nothing)."""
     if not rd.named:
-        return _readn(rd, at, acc)
+        one = rd.rank == 1 and not rd.gen and not rd.flags & (B.F_ALIGN | B.F_OUTPUT)
+        return _read1(rd, at, acc) if one else _readn(rd, at, acc)
     c = common(rd, at, kept, acc)
     kind = _usual(rd, c)
     if kind:
@@ -276,6 +277,18 @@ def _read2(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
         return None
 
     return step
+
+
+def _read1(rd: Read, at: Any, acc: tuple) -> Any:
+    """A 1-D input of torch's, unaligned: :func:`pyexec_fast_reads.read1` on its block."""
+    rec, base = rd.rec, rd.base
+    W, S = (x if x is not None else at(-1) for x in acc[:2])  # noqa: N806
+    c = {
+        "slot": rec[1], "tt": rd.tt, "dt": rd.dtype, "dev": rd.dev, "isz": rec[6], "p_at": at(base),
+        "n_at": at(base + 1), "s_at": at(base + B.T_STRIDE), "e_at": at(base + B.T_END),
+        "q": at(rec[8]) if rec[8] >= 0 else -1, "unit": bool(rd.flags & B.F_UNIT_INNER), "W": W, "S": S,
+    }  # fmt: skip
+    return fast.read1(c)
 
 
 def _readn(rd: Read, at: Any, acc: tuple) -> Any:
