@@ -135,6 +135,28 @@ def test_bound_calls_launch_what_the_validated_path_launches(recorded, monkeypat
         assert got == want, name
 
 
+def test_each_kernel_parameter_comes_from_a_register_its_bound_call_names(recorded):
+    """The Python executor keeps only the registers something reads: every register a form's
+    kernel reads a parameter from, for a first T and a later one of another form, is among
+    the bound call's ``params``."""
+    from zerokv.core import plans
+
+    for T in (48, 3000):
+        for _, call in _calls(T):
+            call()
+    bcs = {bc for calls in plans.recent.values() for bc in calls}
+    assert {bc.name for bc in bcs} == {
+        "merge_state",
+        "merge_states",
+        "fixup_zero_kv_rows",
+        "mask_empty_context",
+    }
+    for bc in bcs:
+        assert bc.params is not None and bc.forms, bc.name
+        for e in bc.forms.values():
+            assert {r for r in e.srcs if r < bound.CONST_BASE} <= bc.params, (bc.name, e.kernel.name)
+
+
 def test_a_bound_call_of_another_signature_is_not_taken(counted):
     """Signatures met one after another (a new dtype, an option more, another producer):
     each call finds its own plan; a bound call never launches another signature's call."""

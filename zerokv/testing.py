@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,7 +62,7 @@ class _Recorder:
         self.kernel, self.expr, self.log, self.keep = kernel, kernel.expr(*targs), log, keep
         self.block = kernel.block
 
-    def launch_values(self, grid: int, grid_y: int, stream: int, values: tuple) -> None:
+    def launch_values(self, grid: int, grid_y: int, stream: int, values: Sequence[Any]) -> None:
         if not self.keep:
             self.log.counted += 1
             return

@@ -156,10 +156,12 @@ class Table:
             self.add(B.OP_RANGE, self.sym[n], 1, INT32)
 
     def bound(self, name: str, plan: Any, n_slots: int, resolve: Any, result: tuple = (),
-              allocators: tuple = ()) -> B.BoundCall:  # fmt: skip
+              allocators: tuple = (), params: Any = None) -> B.BoundCall:  # fmt: skip
+        """The bound call of the records; ``params``: the registers ``resolve``'s entries read
+        their kernels' parameters from (None: any register)."""
         return B.BoundCall(
             name, self.records, self.dtypes, plan.tensor_type, plan.device, n_slots, resolve, plan.stream,
-            result, allocators,
+            result, allocators, params,
         )  # fmt: skip
 
 

@@ -5,8 +5,8 @@ A signature's first call is fully validated; then its bound call is built from t
 (which arguments are given, producer, dtype, device, rank, shapes, unit strides, alignment,
 writable outputs whose elements are distinct and that share no byte with another tensor or
 alias one exactly) and which registers hold the values the form key and the kernel's
-parameters read. Two executors run the same table: the compiled one (``launcher.c``) and
-:func:`run` here. A call the table does not take returns False and goes to the full
+parameters read. Two executors run the same table: the compiled one (``launcher.c``) and the
+Python one (:mod:`zerokv.core.pyexec`). A call the table does not take returns False and goes to the full
 validation, which raises with the caller's names or builds the call's own signature.
 
 Registers are 64-bit integers: ``R_ZERO``/``R_ONE`` constants, accumulators, scalar arguments,
@@ -16,7 +16,6 @@ then values derived by the table's arithmetic and, at launch, the form's constan
 
 from __future__ import annotations
 
-from operator import itemgetter
 from typing import Any
 
 RECORD = 16  # integers per record
@@ -74,7 +73,7 @@ class Entry:
 
     __slots__ = (
         "launcher", "kernel", "handle", "context", "block", "grid", "per_token", "run_tail",
-        "run_spans", "srcs", "getter", "consts", "nbytes", "t_lo", "t_hi", "pack", "const_bits", "cap",
+        "run_spans", "srcs", "consts", "nbytes", "t_lo", "t_hi", "pack", "const_bits", "cap",
     )  # fmt: skip
 
 
@@ -84,15 +83,17 @@ class BoundCall:
 
     __slots__ = (
         "records", "steps", "dtypes", "torch_type", "device", "n_slots", "resolve", "forms", "stream",
-        "table", "name", "c_state", "result", "allocators", "c_ok", "c_key",
+        "table", "name", "c_state", "result", "allocators", "c_ok", "params",
     )  # fmt: skip
 
     def __init__(self, name: str, records: list[tuple[int, ...]], dtypes: list, torch_type: type,
                  device: int, n_slots: int, resolve: Any, stream: Any, result: tuple = (),
-                 allocators: tuple = ()) -> None:  # fmt: skip
+                 allocators: tuple = (), params: Any = None) -> None:  # fmt: skip
         self.name = name
         self.result = result  # the argument slots the call returns (an allocated one in its place)
         self.allocators = allocators  # (T, H, D) -> a new output
+        # the registers the kernels' parameters are read from (None: any register)
+        self.params = None if params is None else frozenset(params)
         self.records = tuple(tuple(r) + (0,) * (RECORD - len(r)) for r in records)
         self.dtypes = dtypes  # per TENSOR record: the producer's dtype object
         self.torch_type = torch_type
@@ -105,7 +106,6 @@ class BoundCall:
         # the compiled executor takes torch signatures (DLPack's C exchange API on the type)
         self.c_ok = torch_type is not None and hasattr(torch_type, "__dlpack_c_exchange_api__")
         self.steps = None  # the Python executor's functions of the records (pyexec)
-        self.c_key = None  # the Python executor's getter of the form key
         self.table = b"".join(int(x).to_bytes(8, "little", signed=True) for r in self.records for x in r)
 
     def entry(self, T: int, rest: tuple) -> Entry:
@@ -118,20 +118,17 @@ class BoundCall:
         return e
 
 
-def launch(bc: BoundCall, e: Entry, r: list, T: int) -> None:
-    """The Python executor's launch of entry ``e`` for ``T`` with the call's registers."""
-    r[CONST_BASE : CONST_BASE + len(e.consts)] = e.consts
+def grid(e: Entry, T: int) -> tuple[int, int]:
+    """The grid ``(x, y)`` of entry ``e``'s launch for ``T``."""
     pt = e.per_token
-    if pt:
-        grid = -(-T * pt // e.block)
-        if e.cap:
-            grid = min(grid, e.cap)
-        elif e.run_tail:
-            grid -= max(0, (grid - e.run_tail) // e.run_spans) * (e.run_spans - 1)
-        grid_y = 1
-    else:
-        grid, grid_y = e.grid, T
-    e.launcher.launch_values(grid, grid_y, bc.stream(bc.device), e.getter(r))
+    if not pt:
+        return e.grid, T
+    g = -(-T * pt // e.block)
+    if e.cap:
+        g = min(g, e.cap)
+    elif e.run_tail:
+        g -= max(0, (g - e.run_tail) // e.run_spans) * (e.run_spans - 1)
+    return g, 1
 
 
 def make_entry(launcher: Any, form: Any, t_lo: int, t_hi: int, regs: dict[str, int], consts: dict) -> Entry:
@@ -167,7 +164,6 @@ def make_entry(launcher: Any, form: Any, t_lo: int, t_hi: int, regs: dict[str, i
     if len(cvals) > N_CONSTS:
         raise RuntimeError(f"zerokv: {form.kernel.name} has more constants than registers")
     e.srcs, e.consts, e.const_bits, e.pack = tuple(srcs), tuple(cvals), tuple(bits), tuple(pack)
-    e.getter = itemgetter(*srcs) if len(srcs) > 1 else (lambda r, i=srcs[0]: (r[i],))
     e.nbytes = offset + (-offset % 8)
     return e
 

@@ -143,4 +143,4 @@ def _bind(plan: Plan, objs: tuple, rule: int, targs: tuple) -> _bound.BoundCall 
         form = _forms.empty_rows_form(H_, D_, plan.vec, plan.dev, targs)
         return _bound.make_entry(plan.launcher, form, 0, INT32, regs, {"q_is64": plan.consts.q_is64})
 
-    return t.bound(spec.name, plan, 4, resolve)
+    return t.bound(spec.name, plan, 4, resolve, params=regs.values())

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from . import compiler as _compiler
@@ -100,8 +101,9 @@ class Launcher:
         bind(_arena.buf, *records)
         self.fire(grid, grid_y, stream)
 
-    def launch_values(self, grid: int, grid_y: int, stream: int, values: tuple) -> None:
-        """Launch with ``values``, every parameter in the kernel's order (a bound call's)."""
+    def launch_values(self, grid: int, grid_y: int, stream: int, values: Sequence[Any]) -> None:
+        """Launch with ``values`` (a tuple or a list), every parameter in the kernel's order (a
+        bound call's)."""
         self.pack_into(_arena.buf, 0, *values)
         self.fire(grid, grid_y, stream)
 

@@ -333,7 +333,7 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
         form, launcher, _, _ = plan.forms.get(key_) or plan.form_entry(key_, rest[0], rest[1], plan._form)
         return _binding.entry_for(regs, plan, form, launcher, T_, rest[0], rest[1])
 
-    return t.bound("merge_state", plan, 12, resolve, results, tuple(allocators))
+    return t.bound("merge_state", plan, 12, resolve, results, tuple(allocators), regs.values())
 
 
 def _allocator(plan: Plan, lse: bool):

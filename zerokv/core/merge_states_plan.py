@@ -175,6 +175,5 @@ def _bind_n(plan: NPlan, objs: tuple) -> _bound.BoundCall | None:
         names = regs if form.kernel is _kernels.MERGE_STATES else two
         return _binding.entry_for(names, plan, form, launcher, T_, H_, D_)
 
-    return t.bound(
-        "merge_states", plan, 7, resolve, (2, 3), (_allocator(plan, False), _allocator(plan, True))
-    )
+    allocators = (_allocator(plan, False), _allocator(plan, True))
+    return t.bound("merge_states", plan, 7, resolve, (2, 3), allocators, (*regs.values(), *two.values()))

@@ -3,37 +3,41 @@
 A bound call's records become, once, one function of the call (``bc.steps``): a few closures
 over the records' integers (its steps) run in order on a fresh register list, then the form of
 its key, the kernel's parameters from the registers, the launch. A step returns None to go on,
-False when the table does not take the call (the full validation then sees it), or ``_DONE``
-when there is nothing to launch. No source is generated.
+False when the table does not take the call (the full validation then sees it), or
+``pyexec_steps.DONE`` when there is nothing to launch. No source is generated.
 
-A tensor's read also makes the checks that need only it and the tensors read before it (its
-sizes' ranges, a zero misalignment, an output's distinct elements and separation), and the
-absent arguments are checked first: a check moves only across records that can neither raise
-past the executor nor end the call, so the call is taken, or refused, as the table says.
+A tensor's read (:mod:`zerokv.core.pyexec_reads`) also makes the checks that need only it and
+the tensors read before it (its sizes' ranges, a zero misalignment, an output's distinct
+elements and separation), and the absent arguments are checked first: a check moves only across
+records that can neither raise past the executor nor end the call, so the call is taken, or
+refused, as the table says.
+
+The call's registers are the table's that something reads (a step, the key or a kernel
+parameter, ``bc.params``), numbered anew one after another; a value nothing reads goes to one
+sink register. The launch of a key (entry, grid, parameters' getter) is found once, and a new
+T's entry among those of its interval. The first entry launched orders the registers of the
+calls after it: its kernel's parameters first, in its order, its constants in place, so that
+they are one slice of the registers.
 """
 
 from __future__ import annotations
 
-import operator
 from operator import itemgetter
 from typing import Any
 
 from . import bound as B
-from .generic_tensors import _Generic, generic, writable_cheap
-from .layout import distinct
+from . import pyexec_steps as S
+from .generic_tensors import _Generic
+from .pyexec_reads import Read, others, pair, reader
 
-_DONE = 1
 _UNREADABLE = (AttributeError, TypeError, ValueError, RuntimeError, IndexError)
+_FORMS_LIMIT = 4096  # keys whose launch a call keeps; past it, it starts again
 
-_OPS = {
-    B.A_ADD: operator.add, B.A_SUB: operator.sub, B.A_MUL: operator.mul, B.A_OR: operator.or_,
-    B.A_AND: operator.and_, B.A_EQ: operator.eq, B.A_LT: operator.lt, B.A_NE: operator.ne,
-    B.A_MAX: max, B.A_GT: operator.gt,
-}  # fmt: skip
 _DST = (B.OP_ARITH, B.OP_SCALAR)  # records that write a register (ARITH: [1], SCALAR: [2])
 # records that cannot raise past the executor, end the call or allocate: checks may move across
 _PURE = {B.OP_TENSOR, B.OP_ABSENT, B.OP_EQ, B.OP_RANGE, B.OP_CHECK, B.OP_APART, B.OP_DISTINCT, *_DST}
 _BLOCKS = set(range(B.TENSOR_BASE, B.DERIVED_BASE)) | {B.R_WIDEST, B.R_STOR}
+_SINK = -1  # the register of the values nothing reads
 
 
 def run(bc: B.BoundCall, objs: tuple, scalars: tuple) -> Any:
@@ -43,24 +47,65 @@ def run(bc: B.BoundCall, objs: tuple, scalars: tuple) -> Any:
     return call(objs, scalars)
 
 
-class _Read:
-    """A tensor record and the checks moved into its read."""
+class _Registers:
+    """The call's registers: each table register something reads, numbered in order of need;
+    ``values``: each one's value at the start of a call. Given the first entry a call launches,
+    its kernel's parameters come first, in its order: its constants in place, a register in
+    its first place (``sliced``: every parameter in its place, the parameters one slice)."""
 
-    def __init__(self, rec: tuple, k: int, bc: B.BoundCall, gen: bool) -> None:
-        self.rec, self.k, self.gen, self.rank, self.flags = rec, k, gen, rec[2], rec[3]
-        self.dtype, self.tt, self.dev, self.base = bc.dtypes[k], bc.torch_type, bc.device, B.tensor_base(k)
-        self.bounds: dict[int, tuple[int, int]] = {}  # size i in [lo, hi)
-        self.zero_misalign = False  # its misalignment 0, else refused (a CHECK of R_MISALIGN)
-        self.inner = -1  # an output's DISTINCT: the register of its inner extent (-1: none)
-        self.apart: tuple | None = None  # an output's APART: (mask, exact)
-        # read by name: a 3-D tensor, a 2-D one (or the transpose of one) unaligned
-        self.named = (self.rank == 3 and not self.flags & B.F_TRANSPOSE) or (
-            self.rank == 2 and not self.flags & B.F_ALIGN
-        )
+    def __init__(self, live: set | None, first: tuple | None, blocks: list[int]) -> None:
+        self.index: dict[int, int] = {}
+        self.live = live  # None: every register
+        self.values: list = []
+        self.consts: dict[int, int] = {}  # constant -> the register holding it
+        self.first_rest, self.first = first or (None, None)
+        self.sliced = False
+        first = self.first
+        # the blocks read by loop keep their registers one after another (not in the parameters)
+        held = {b + i for b in blocks for i in range(B.TENSOR_REGS)}
+        if first is not None and all(
+            s >= B.CONST_BASE or s == B.R_ZERO or live is None or s in live for s in first.srcs
+        ):
+            apart = False  # a parameter not in its place: a register's second place, or held
+            for src in first.srcs:
+                apart |= src in held or (src in self.index and src != B.R_ZERO)
+                if src >= B.CONST_BASE:
+                    self.values.append(first.consts[src - B.CONST_BASE])
+                elif src in held:
+                    self.values.append(0)
+                else:  # each place of R_ZERO a zero of its own: nothing writes them
+                    self.index.setdefault(src, len(self.values))
+                    self.values.append(1 if src == B.R_ONE else 0)
+            self.sliced = not apart
+        for b in blocks:
+            for i in range(B.TENSOR_REGS):
+                self.at(b + i)
+        self.at(B.R_ZERO)
+        self.sink = self.at(_SINK)
+
+    def at(self, reg: int) -> int:
+        i = self.index.get(reg)
+        if i is None:
+            i = self.index[reg] = len(self.values)
+            self.values.append(1 if reg == B.R_ONE else 0)
+        return i
+
+    def kept(self, reg: int) -> int:
+        """``reg``'s index where something reads it, else the sink's."""
+        return self.at(reg) if self.live is None or reg in self.live else self.sink
+
+    def const(self, k: int) -> int:
+        i = self.consts.get(k)
+        if i is None:
+            i = self.consts[k] = len(self.values)
+            self.values.append(k)
+        return i
 
 
-def _decode(bc: B.BoundCall) -> Any:
-    """The function of ``bc``'s call: its steps, key, launches and result."""
+def _decode(bc: B.BoundCall, first: tuple | None = None) -> Any:
+    """The function of ``bc``'s call: its steps, key, launches and result; ``first``: the rest of
+    the key and the entry of its first launch (its parameters first among the registers), None
+    before it."""
     key = bc.records[-1]
     if key[0] != B.OP_KEY:
         raise RuntimeError(f"zerokv: the bound call of {bc.name} does not end with its key")
@@ -68,33 +113,87 @@ def _decode(bc: B.BoundCall) -> Any:
     pure = 0  # the records before the first one a check may not move across
     while pure < len(recs) and recs[pure][0] in _PURE and not (gen and recs[pure][0] == B.OP_TENSOR):
         pure += 1
-    items: list = []  # _Read objects and the records left as steps, in order
-    reads: dict[int, _Read] = {}  # tensor block -> its read
+    items: list = []  # Read objects and the records left as steps, in order
+    reads: dict[int, Read] = {}  # tensor block -> its read
     absent: list = []  # ABSENT records, checked first
     for j, rec in enumerate(recs):
         if rec[0] == B.OP_TENSOR:
-            items.append(reads.setdefault(len(reads), _Read(rec, len(reads), bc, gen)))
+            items.append(reads.setdefault(len(reads), Read(rec, len(reads), bc, gen)))
         elif j >= pure or not _fold(rec, reads, items, absent):
             items.append(rec)
-    # the registers a call keeps: the tensor blocks and the derived values the records write;
-    # then one that holds the outputs it allocated ({slot: tensor}) and a scratch one
-    dsts = [rec[1 if rec[0] == B.OP_ARITH else 2] for rec in recs if rec[0] in _DST]
-    made_at = max(B.DERIVED_BASE, *(d + 1 for d in dsts))
-    if made_at + 1 >= B.CONST_BASE:
-        made_at = B.NREG - 2
-    steps, run_ = [], []
-    for it in items:
-        if type(it) is not _Read and it[0] == B.OP_ARITH:
+    _positive(reads)
+    blocks = [rd.base for rd in reads.values() if not rd.named]
+    R = _Registers(_live(bc, items, key), first, blocks)  # noqa: N806
+    acc = tuple(
+        R.at(x) if R.live is None or x in R.live else None for x in (B.R_WIDEST, B.R_STOR, B.R_MISALIGN)
+    )
+    steps, run_, j = [], [], 0
+    while j < len(items):
+        it, j = items[j], j + 1
+        if type(it) is not Read and it[0] == B.OP_ARITH:
             run_.append(it)
             continue
         if run_:
-            steps.append(_arith(run_))
+            steps.append(S.arith(run_, R))
             run_ = []
-        op = B.OP_TENSOR if type(it) is _Read else it[0]
-        steps.append(_reader(it, made_at + 1) if op == B.OP_TENSOR else _MAKERS[op](it, bc, made_at))
-    steps = ([_absent(absent, bc)] if absent else []) + steps + ([_arith(run_)] if run_ else [])
-    bc.steps = _call(bc, tuple(steps), itemgetter(key[1], *key[3 : 3 + key[2]]), made_at)
+        if type(it) is not Read:
+            steps.append(S.MAKERS[it[0]](it, bc, R))
+            continue
+        both = pair(it, items[j], R.at, R.kept, acc) if j < len(items) and type(items[j]) is Read else None
+        steps.append(both or reader(it, R.at, R.kept, acc))
+        j += both is not None  # a state's V and LSE in one step
+    tail = S.arith_ops(run_, R)  # the arithmetic after the last step: run in the call itself
+    slots = sorted(i for rec in absent for i in range(64) if rec[1] >> i & 1)
+    run_of = (slots[0], slots[-1] + 1) if slots and slots[-1] - slots[0] + 1 == len(slots) else None
+    if absent and run_of is None:  # not one run of slots: a step that checks them one by one
+        steps.insert(0, S.absent(absent, bc, R))
+    key_of = itemgetter(*(R.at(x) for x in (key[1], *key[3 : 3 + key[2]])))
+    bc.steps = _call(bc, tuple(steps), tail, key_of, R, run_of)
     return bc.steps
+
+
+def _positive(reads: dict) -> None:
+    """Mark the reads whose sizes are known positive: ranges from 1 folded into the read, or
+    each size equal to such a size of a read before it."""
+    known: set[int] = set()
+    for rd in reads.values():
+        if not rd.named:
+            continue
+        if rd.binds:
+            ones = [i for i in range(rd.rank) if rd.bounds.get(i, (0,))[0] >= 1]
+            known |= {rd.base + 1 + i for i in ones}
+            rd.pos = len(ones) == rd.rank
+        else:
+            rd.pos = all(q in known for q in rd.rec[8 : 8 + rd.rank])
+
+
+def _live(bc: B.BoundCall, items: list, key: tuple) -> set | None:
+    """The table registers something reads: the steps, the key, the kernels' parameters (None:
+    every register, where the bound call does not name its parameters')."""
+    if bc.params is None:
+        return None
+    live = set(bc.params) | {key[1], *key[3 : 3 + key[2]]}
+    for it in items:
+        if type(it) is Read:
+            live |= it.reads()
+            continue
+        op = it[0]
+        if op in (B.OP_EQ, B.OP_RANGE, B.OP_CHECK, B.OP_DONE_IF_ZERO):
+            live |= {it[1], it[2]} if op == B.OP_EQ else {it[1]}
+        elif op == B.OP_ARITH:
+            live |= {it[3], it[4]} if it[4] >= 0 else {it[3]}
+        elif op == B.OP_SCALAR:
+            live |= {it[3], it[4]}
+        elif op == B.OP_ALLOC:
+            live |= set(it[5 : 5 + it[4]])
+        elif op == B.OP_DISTINCT:
+            a = B.tensor_base(it[1])
+            live |= {a + 1, a + 2, a + 5, a + 6, a + 1 + it[2] if it[2] >= 0 else B.R_ONE}
+        elif op == B.OP_APART:
+            a = B.tensor_base(it[1])
+            for b, b_end, b_s0, b_s1, _ in ((a, a + B.T_END, a + 5, a + 6, 0), *others(it[2], it[3])):
+                live |= {b, b_end, b_s0, b_s1}
+    return live
 
 
 def _fold(rec: tuple, reads: dict, items: list, absent: list) -> bool:
@@ -104,7 +203,7 @@ def _fold(rec: tuple, reads: dict, items: list, absent: list) -> bool:
     if op == B.OP_ABSENT:
         absent.append(rec)
         return True
-    written = {it[1 if it[0] == B.OP_ARITH else 2] for it in items if type(it) is not _Read and it[0] in _DST}
+    written = {it[1 if it[0] == B.OP_ARITH else 2] for it in items if type(it) is not Read and it[0] in _DST}
     if written & _BLOCKS:  # a tensor block written by arithmetic: its reads' values are not final
         return False
     if op == B.OP_RANGE:
@@ -134,267 +233,99 @@ def _fold(rec: tuple, reads: dict, items: list, absent: list) -> bool:
     return True
 
 
-def _call(bc: B.BoundCall, steps: tuple, key_of: Any, made_at: int) -> Any:
-    """The call: registers, steps, the form's launch, the result."""
-    size = made_at + 2  # and a scratch register
-    pad, result, launch = [0] * (B.CONST_BASE - size), _result_of(bc.result, made_at), B.launch
+def _call(
+    bc: B.BoundCall, steps: tuple, tail: tuple, key_of: Any, R: _Registers, absent: tuple | None
+) -> Any:  # noqa: N803
+    """The call: absent arguments, registers, steps, arithmetic, the form's launch, the result."""
+    values, made = R.values, R.index.get(S.MADE, -1)
+    size, fresh = len(values), all(type(v) is int and not v for v in values)
+    lo, hi = absent or (0, 0)
+    given, result = _result_of(bc.result, made)
+    launches: dict = {}  # form key -> (launch, grid, grid_y, parameters' getter, constants)
+    entries: dict = {}  # the rest of a form key -> [(entry, getter, constants)] met so far
+    # the entry the registers are ordered for serves its interval
+    seed = {R.first_rest: (R.first, *_params(bc, R.first, R))} if R.first is not None else {}
+    entries.update((rest, [hit]) for rest, hit in seed.items())
+    stream, device = bc.stream, bc.device
+
+    def launch_of(key: tuple) -> tuple:
+        """The launch of a key met for the first time: the entry of its T's interval (from the
+        entries met so far, else the bound call's), the grid of its T. The first entry met
+        orders the registers of the calls after it (:class:`_Registers`)."""
+        T, rest = key[0], key[1:]
+        met = entries.setdefault(rest, [])
+        for e, get, consts in met:  # noqa: B007 - the entry found and its getter
+            if e.t_lo <= T < e.t_hi:
+                break
+        else:
+            e = bc.forms.get(key) or bc.entry(T, rest)
+            get, consts = _params(bc, e, R)
+            met.append((e, get, consts))
+            if R.first is None:
+                _decode(bc, (rest, e))
+        if len(launches) >= _FORMS_LIMIT:
+            launches.clear()
+            entries.clear()
+            entries.update((rest, [hit]) for rest, hit in seed.items())
+        hit = launches[key] = (e.launcher.launch_values, *B.grid(e, T), get, consts)
+        return hit
 
     def call(objs: tuple, scalars: tuple) -> Any:
-        r = [0] * size
-        r[1] = 1
+        if absent:  # the absent arguments still None
+            for x in objs[lo:hi]:
+                if x is not None:
+                    return None
+        r = [0] * size if fresh else values.copy()
         try:
             for step in steps:
                 v = step(r, objs, scalars)
                 if v is not None:
-                    return None if v is False else result(objs, r)
+                    return None if v is False else given(objs) if given else result(objs, r)
+            for d, f, a, b in tail:
+                r[d] = f(r[a], r[b])
             key = key_of(r)
         except _UNREADABLE:
             return None
-        e = bc.forms.get(key) or bc.entry(key[0], key[1:])
-        r += pad  # the form's constants go to CONST_BASE on
-        launch(bc, e, r, key[0])
-        return result(objs, r)
+        launch, grid, grid_y, get, consts = launches.get(key) or launch_of(key)
+        if consts:
+            r += consts  # another entry's constants after the call's registers
+        launch(grid, grid_y, stream(device), get(r))
+        return given(objs) if given else result(objs, r)
 
     return call
 
 
-def _result_of(slots: tuple, made_at: int) -> Any:
+def _params(bc: B.BoundCall, e: B.Entry, R: _Registers) -> tuple:  # noqa: N803
+    """The getter of entry ``e``'s kernel parameters from the call's registers and the constants
+    to put after them first (none for the entry whose parameters are in place)."""
+    if e is R.first and R.sliced:
+        return itemgetter(slice(0, len(e.srcs))), ()
+    size, idx = len(R.values), []
+    for src in e.srcs:
+        if src >= B.CONST_BASE:
+            idx.append(size + src - B.CONST_BASE)
+        elif src in R.index:
+            idx.append(R.index[src])
+        elif R.live is None or src in R.live:  # a register nothing writes: zero
+            idx.append(R.index[B.R_ZERO])
+        else:
+            raise RuntimeError(f"zerokv: {bc.name}'s kernel reads register {src}, not among its parameters'")
+    return (itemgetter(*idx) if len(idx) > 1 else (lambda r, i=idx[0]: (r[i],))), e.consts
+
+
+def _result_of(slots: tuple, made: int) -> tuple:
+    """``(given, result)``: the call's result from its objects (``given(objs)``) where it
+    allocates nothing, else from them and the outputs it made (``result(objs, r)``)."""
     if not slots:
-        return lambda objs, r: True
+        return (lambda objs: True), None
     get = itemgetter(*slots) if len(slots) > 1 else (lambda objs: (objs[slots[0]],))
+    if made < 0:
+        return get, None
 
     def result(objs: tuple, r: list) -> tuple:
-        made = r[made_at]
-        if not made:
+        m = r[made]
+        if not m:
             return get(objs)
-        return tuple([made[i] if i in made else objs[i] for i in slots])
+        return tuple([m[i] if i in m else objs[i] for i in slots])
 
-    return result
-
-
-def _reader(rd: _Read, scratch: int) -> Any:
-    """Read argument ``rd.rec[1]`` into tensor block ``rd.k`` (bound.OP_TENSOR): by name
-    (``special``: a 2-D tensor's third size and stride, 1 and 0, go to register ``scratch``),
-    else by loop."""
-    if not rd.named:
-        return _readn(rd)
-    rec, base, tt, dt, dev, gen, rank = rd.rec, rd.base, rd.tt, rd.dtype, rd.dev, rd.gen, rd.rank
-    slot, isz, align, width, flags = rec[1], rec[6], rec[7], rec[12], rd.flags
-    three, flip, out = rank == 3, flags & B.F_TRANSPOSE, flags & B.F_OUTPUT
-    unit3, unit2 = flags & B.F_UNIT_INNER and three, flags & B.F_UNIT_INNER and not three
-    aligned, inner, zero = flags & B.F_ALIGN, flags & B.F_INNER_IN_ALIGN, rd.zero_misalign
-    q0, q1, q2 = (rec[8 + i] if i < rank else -1 for i in range(3))
-    far = (-(1 << 70), 1 << 70)
-    lo0, hi0, lo1, hi1, lo2, hi2 = (x for i in range(3) for x in rd.bounds.get(i, far))
-    others = _others(*(rd.apart or (0, 0)))
-    ranged, dist, di = bool(rd.bounds), rd.inner >= 0, rd.inner - base - 1
-    b1, b2, b5, b6, end = base + 1, base + 2, base + 5, base + 6, base + B.T_END
-    b3, b7 = (base + 3, base + 7) if three else (scratch, scratch)
-    WIDEST, STOR, MISALIGN, cheap = B.R_WIDEST, B.R_STOR, B.R_MISALIGN, writable_cheap  # noqa: N806
-
-    def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        x = objs[slot]
-        if gen:
-            x = generic(x)
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
-            return False
-        if three:
-            n0, n1, n2 = x.shape
-            s0, s1, s2 = x.stride()
-        else:
-            if flip:
-                n1, n0 = x.shape
-                s1, s0 = x.stride()
-            else:
-                n0, n1 = x.shape
-                s0, s1 = x.stride()
-            n2, s2 = 1, 0
-        if (q0 >= 0 and r[q0] != n0) or (q1 >= 0 and r[q1] != n1) or (q2 >= 0 and r[q2] != n2):
-            return False
-        if ranged and not (lo0 <= n0 < hi0 and lo1 <= n1 < hi1 and lo2 <= n2 < hi2):
-            return False
-        sor = s0 | s1 | s2
-        if sor < 0 or (unit3 and n2 > 1 and s2 != 1) or (unit2 and n1 > 1 and s1 != 1):
-            return False
-        p = x.data_ptr()
-        span = (n0 - 1) * s0 + (n1 - 1) * s1 + (n2 - 1) * s2 + 1 if n0 and n1 and n2 else 0
-        e = p + span * isz
-        r[base], r[b1], r[b2], r[b3], r[b5], r[b6], r[b7], r[end] = p, n0, n1, n2, s0, s1, s2, e
-        r[STOR] |= sor
-        if span > r[WIDEST]:
-            r[WIDEST] = span
-        if aligned:
-            m = p % align | (s0 | s1 | (n2 if inner else 0)) % width
-            if zero:
-                if m:
-                    return False
-            else:
-                r[MISALIGN] |= m
-        if out:
-            if not (cheap(x.obj) if gen else not x.requires_grad and not x.is_inference() or cheap(x)):
-                return False
-            if dist:
-                w = (n0, n1, n2)[di] if di >= 0 else 1
-                # the row-major layout first (layout.distinct's first case), then the rule
-                if not (s1 >= w and s0 >= (n1 - 1) * s1 + w) and not distinct(n0, s0, n1, s1, w):
-                    return False
-            for b, b_end, b_s0, b_s1, ex in others:
-                if r[b] < e and p < r[b_end] and not (ex and r[b] == p and r[b_s0] == s0 and r[b_s1] == s1):
-                    return False
-        return None
-
-    return step
-
-
-def _readn(rd: _Read) -> Any:
-    """A tensor of any rank, its sizes and strides by loop."""
-    rec, base, tt, dt, dev, gen, rank = rd.rec, rd.base, rd.tt, rd.dtype, rd.dev, rd.gen, rd.rank
-    slot, flags, isz, align, width = rec[1], rd.flags, rec[6], rec[7], rec[12]
-    eqs = tuple((i, rec[8 + i]) for i in range(rank) if rec[8 + i] >= 0)
-    flip, unit, out = flags & B.F_TRANSPOSE, flags & B.F_UNIT_INNER, flags & B.F_OUTPUT
-    aligned, inner, zero = flags & B.F_ALIGN, flags & B.F_INNER_IN_ALIGN, rd.zero_misalign
-    last = rank - 1
-    sizes, strides = slice(base + 1, base + 1 + rank), slice(base + B.T_STRIDE, base + B.T_STRIDE + rank)
-
-    def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        x = objs[slot]
-        if gen:
-            x = generic(x)
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
-            return False
-        shape, st = tuple(x.shape), x.stride()
-        if len(shape) != rank:
-            return False
-        if flip:
-            shape, st = shape[::-1], st[::-1]
-        for i, q in eqs:
-            if r[q] != shape[i]:
-                return False
-        outer = span = 0
-        for i in range(last):
-            outer |= st[i]
-            span += (shape[i] - 1) * st[i]
-        n, s = (shape[last], st[last]) if rank else (1, 0)
-        if (outer | s) < 0 or (unit and n > 1 and s != 1):
-            return False
-        p = r[base] = x.data_ptr()
-        r[sizes], r[strides] = shape, st
-        r[B.R_STOR] |= outer | s
-        span = 0 if 0 in shape else span + (n - 1) * s + 1
-        r[base + B.T_END] = p + span * isz
-        if span > r[B.R_WIDEST]:
-            r[B.R_WIDEST] = span
-        if aligned:
-            m = p % align | (outer | (n if inner else 0)) % width
-            if zero:
-                if m:
-                    return False
-            else:
-                r[B.R_MISALIGN] |= m
-        if out and not (
-            writable_cheap(x.obj)
-            if gen
-            else not x.requires_grad and not x.is_inference() or writable_cheap(x)
-        ):
-            return False
-        return None
-
-    return step
-
-
-def _absent(recs: list, bc: B.BoundCall) -> Any:
-    slots = tuple(i for rec in recs for i in range(64) if rec[1] >> i & 1)
-
-    def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        n = len(objs)
-        for i in slots:
-            if i < n and objs[i] is not None:
-                return False
-        return None
-
-    return step
-
-
-def _arith(recs: list) -> Any:
-    """Consecutive arithmetic records (``r[d] = f(r[a], r[b] or k)``) as one step."""
-    ops = tuple((rec[1], _OPS[rec[2]], rec[3], rec[4], rec[5]) for rec in recs)
-
-    def step(r: list, objs: tuple, scalars: tuple) -> None:
-        for d, f, a, b, k in ops:
-            r[d] = f(r[a], r[b] if b >= 0 else k)
-
-    return step
-
-
-def _apart(rec: tuple, bc: B.BoundCall, made_at: int = 0) -> Any:
-    """Tensor ``rec[1]`` shares no byte with a tensor of mask ``rec[2]``, or is an exact alias
-    (same pointer and outer strides) of one in mask ``rec[3]``."""
-    a, others = B.TENSOR_BASE + rec[1] * B.TENSOR_REGS, _others(rec[2], rec[3])
-
-    def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        p, e, s0, s1 = r[a], r[a + B.T_END], r[a + B.T_STRIDE], r[a + B.T_STRIDE + 1]
-        for b, b_end, b_s0, b_s1, ex in others:
-            if r[b] < e and p < r[b_end] and not (ex and r[b] == p and r[b_s0] == s0 and r[b_s1] == s1):
-                return False
-        return None
-
-    return step
-
-
-def _others(mask: int, exact: int) -> tuple:
-    """The tensors of ``mask`` an output must share no byte with (or alias, those of ``exact``):
-    registers of pointer, end and outer strides, and whether an exact alias is allowed."""
-    bases = range(B.TENSOR_BASE, B.DERIVED_BASE, B.TENSOR_REGS)
-    return tuple((b, b + 9, b + 5, b + 6, bool(exact >> j & 1)) for j, b in enumerate(bases) if mask >> j & 1)
-
-
-def _distinct(rec: tuple, bc: B.BoundCall, made_at: int = 0) -> Any:
-    a = B.TENSOR_BASE + rec[1] * B.TENSOR_REGS
-    inner = a + 1 + rec[2] if rec[2] >= 0 else B.R_ONE
-
-    return lambda r, objs, sc: None if distinct(r[a + 1], r[a + 5], r[a + 2], r[a + 6], r[inner]) else False
-
-
-def _scalar(rec: tuple, bc: B.BoundCall, made_at: int = 0) -> Any:
-    i, d, lo, hi = rec[1], rec[2], rec[3], rec[4]
-
-    def step(r: list, objs: tuple, scalars: tuple) -> Any:
-        v = scalars[i]
-        if type(v) is not int or not r[lo] <= v <= r[hi]:
-            return False
-        r[d] = v
-        return None
-
-    return step
-
-
-def _alloc(rec: tuple, bc: B.BoundCall, made_at: int = 0) -> Any:
-    """Result ``rec[1]``: a new contiguous output (allocator ``rec[2]``) of the shape in the
-    registers ``rec[5:5 + rank]``, read into tensor block ``rec[3]``."""
-    slot, allocate, rank = rec[1], bc.allocators[rec[2]], rec[4]
-    base = B.TENSOR_BASE + rec[3] * B.TENSOR_REGS
-    dims = rec[5 : 5 + rank]
-
-    def step(r: list, objs: tuple, scalars: tuple) -> None:
-        shape = tuple([r[q] for q in dims])
-        x, r[base] = allocate(shape, objs[0])
-        stride = 1
-        for i in range(rank - 1, -1, -1):
-            r[base + 1 + i] = shape[i]
-            r[base + B.T_STRIDE + i] = stride
-            stride *= shape[i]
-        made = r[made_at] or {}
-        made[slot] = x
-        r[made_at] = made
-
-    return step
-
-
-_MAKERS = {
-    B.OP_EQ: lambda rec, bc, made_at: lambda r, objs, sc: False if r[rec[1]] != r[rec[2]] else None,
-    B.OP_RANGE: lambda rec, bc, made_at: lambda r, objs, sc: None if rec[2] <= r[rec[1]] < rec[3] else False,
-    B.OP_CHECK: lambda rec, bc, made_at: lambda r, objs, sc: None if bool(r[rec[1]]) == bool(rec[2]) else False,
-    B.OP_DONE_IF_ZERO: lambda rec, bc, made_at: lambda r, objs, sc: None if r[rec[1]] else _DONE,
-    B.OP_APART: _apart, B.OP_DISTINCT: _distinct, B.OP_SCALAR: _scalar, B.OP_ALLOC: _alloc,
-    B.OP_ABSENT: lambda rec, bc, made_at: _absent([rec], bc),
-}  # fmt: skip
+    return None, result
