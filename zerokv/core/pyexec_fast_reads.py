@@ -160,7 +160,9 @@ def read2(c: dict) -> Any:
 
 def pair(c: dict, d: dict) -> Any:
     """:func:`read3` of ``c`` then :func:`read2` of ``d`` in one step, ``d``'s sizes compared
-    with ``c``'s first two; both inputs or both outputs."""
+    with ``c``'s first two; both inputs or both outputs. :func:`read3`'s body is written out here
+    rather than called: a state's two reads are then one Python call (the sizes it compares may
+    live in no kept register), the cheapest of the ways measured."""
     slot, tt, dt, dev, isz, p_at, e_at = (c[k] for k in ("slot", "tt", "dt", "dev", "isz", "p_at", "e_at"))
     (s0_at, s1_at, s2_at), (q0, q1, q2), W, S = c["s_at"], c["q"], c["W"], c["S"]  # noqa: N806
     bind, (n0_at, n1_at, n2_at), (lo0, lo1, lo2), (hi0, hi1, hi2) = c["bind"], c["n_at"], c["lo"], c["hi"]
