@@ -15,6 +15,7 @@ import pytest
 
 from zerokv.core import kernels as _kernels
 from zerokv.core import sources as _sources
+from zerokv.core import spec as _spec
 
 _GLOBAL = re.compile(
     r"__global__\s+void\s+(__launch_bounds__\((?P<bounds>[^)]*)\)\s+)?(?P<name>\w+)\s*\((?P<params>[^)]*)\)",
@@ -112,6 +113,36 @@ def test_a_retyped_parameter_is_caught():
     k = _kernels.MERGE_STATE
     params = tuple((n, "i32" if n == "T" else t) for n, t in k.params)
     assert any("T: described as i32" in p for p in mismatches(dataclasses.replace(k, params=params)))
+
+
+def test_option_parameters_come_from_the_spec_rows():
+    """The merge kernels' option parameters are the spec's rows, typed by rule: a new option of
+    merge_state reaches the generic kernel's description (and, unwritten in merge.cu, fails the
+    test above); an option whose row does not say its parameters fails here."""
+    spec = _spec.MERGE_STATE
+    generic = dict(_kernels.MERGE_STATE.params)
+    flat = dict(_kernels.MERGE_STATE_FLAT.params)
+    for o in spec.options:
+        ptrs = {a.params[0] for a in o.args}
+        for p in (*o.params, *o.derived):
+            if o.generic:
+                assert generic[p] == ("ptr" if p in ptrs else "i64"), (o.name, p)
+            assert flat[p] == ("ptr" if p in ptrs else "i32"), (o.name, p)
+    extra = dataclasses.replace(
+        spec,
+        options=(*spec.options, _spec.Option("x", (_spec.Arg("x", ("1",), ("float32",), ("x_ptr",)),), "x", ("x_ptr", "x_n"))),
+    )  # fmt: skip
+    text = "ptr va, @a_empty, @*"
+    params = _kernels._params(text, extra)
+    assert params[-2:] == (("x_ptr", "ptr"), ("x_n", "i64"))
+    assert [n for n, _ in params[1:4]] == ["a_cu", "a_lens", "a_batch"]
+    assert "bscale" not in dict(params)  # per-group fp8: not the generic kernel's
+    k = dataclasses.replace(
+        _kernels.MERGE_STATE, params=_kernels._params(text.replace("@*", "ptr x_ptr"), extra)
+    )
+    assert k.params[-1] == ("x_ptr", "ptr")
+    with pytest.raises(StopIteration):
+        _kernels._params("ptr va, @no_such_option", spec)
 
 
 def test_instantiations_are_unique_and_name_described_kernels():
