@@ -96,6 +96,7 @@ class Layout:
                 obj_at.append(more_args.index(o.name))
         self._more_objs = _getter(tuple(obj_at))
         self._more_scalars = _getter(tuple(more_args.index(n) for n in more_scalars))
+        self.more_key = self._more_scalars(more_defaults)  # the key's part of a call that gives none
 
     def more_args(self, objs: tuple, scalars: tuple, more: tuple, names: dict | None) -> tuple[tuple, tuple]:
         """``objs`` and ``scalars`` (the Python entry's, of its written parameters) with the

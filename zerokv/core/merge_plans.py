@@ -149,6 +149,8 @@ def two(
     )  # fmt: skip
     if more:
         objs, scalars = LAYOUT.more_args(objs, scalars, more, names)
+    elif _MORE_KEY:  # the options after these left out: their scalars' defaults in the key
+        scalars += _MORE_KEY
     try:  # the bound calls of the signatures met last with these scalars
         r, calls = _plans.recent_call(scalars, objs, (prefix_rows,))
     except TypeError:  # an unhashable lse_base (an array): the full checks name it
@@ -176,6 +178,7 @@ LAYOUT = _entry.Layout(
     ),
     ("prefix_rows",),
 )  # fmt: skip
+_MORE_KEY = LAYOUT.more_key
 _opts = LAYOUT.option_scalars  # a call's option scalars (the full checks'), from its key
 python_two = two  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
