@@ -174,3 +174,16 @@ def test_a_schema_takes_an_appended_option_and_passes_it_on():
     with pytest.raises(ValueError, match="a_cu_seqlens_q and a_kv_lens: give both or neither"):
         opts((cu,))
     assert "extra" not in op_schema.Options(LAYOUT, True, fixed).schema
+
+
+def test_every_option_reaches_the_reference_or_the_cpu_paths_writing():
+    """An option the float64 reference does not take by its name and the CPU path does not
+    write would be ignored on host tensors."""
+    import inspect
+
+    from zerokv import reference
+    from zerokv.core import cpu_path
+
+    takes = inspect.signature(reference.merge_state).parameters
+    for o in spec.MERGE_STATE.options:
+        assert (o.name in takes) != (o.name in cpu_path.WRITING), o.name
