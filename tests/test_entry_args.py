@@ -83,7 +83,7 @@ def _random_call(rng: random.Random, layout):
         else:
             values.append(rng.choice((None, object())) if i >= 4 else object())
     n = rng.randrange(layout.required, len(values) + 1)
-    written = len(LAYOUT.names)  # the Python function's parameters: by keyword too
+    written = layout.written  # the Python function's parameters: by keyword too
     if n <= written and n > layout.required and rng.random() < 0.4:
         first = rng.randrange(layout.required, n)
         return tuple(values[:first]), {layout.names[i]: values[i] for i in range(first, n)}
@@ -142,6 +142,9 @@ def test_the_compiled_entry_keys_a_call_by_the_table_it_is_handed():
                 *call, None, None, "float32", None, torch.zeros(2), "a"
             )  # no bound call under this key
             assert len(left) == 1 and len(log.launches) == 3
+            with pytest.raises(TypeError, match="extra"):  # by position only, as the Python entry
+                module.two(*call, extra=torch.zeros(2))
+            assert len(left) == 2
         finally:
             module.bind_entries(*head, *entries, LAYOUT.table())
 

@@ -514,7 +514,7 @@ def test_malformed_calls_to_run_never_crash(c_module, valid_objs):
 
 def _bad_table(rng: random.Random, table: tuple):
     """The two-way entry's table (``Layout.table()``) with one part damaged."""
-    names, required, defaults, objs, key, scalars = table
+    names, required, written, defaults, objs, key, scalars = table
     big, small = rng.choice((1 << 40, 1 << 31, 65, 64, 17, 16)), rng.choice((-1, -2, -(1 << 40)))
     bad = rng.choice((big, small, None, "x", 1.5, (), (1,), (1, 2, 3, 4)))
     kind = rng.randrange(9)
@@ -523,7 +523,7 @@ def _bad_table(rng: random.Random, table: tuple):
             (names + (1,), names * 4, (), names[:3], [*names], tuple(n.encode() for n in names))
         )
     elif kind == 1:
-        required = bad
+        required, written = rng.choice(((bad, written), (required, bad), (bad, bad)))
     elif kind == 2:
         defaults = rng.choice((defaults[:-1], defaults + (None,), list(defaults), None))
     elif kind == 3 and objs:  # an object's argument, part or parts out of range
@@ -547,8 +547,8 @@ def _bad_table(rng: random.Random, table: tuple):
     elif kind == 7:
         scalars = rng.choice(((bad,), scalars * 5, (len(names),), ()))
     else:
-        return rng.choice(((), None, table[:5], table + (1,), list(table)))
-    return names, required, defaults, objs, key, scalars
+        return rng.choice(((), None, table[:6], table + (1,), list(table)))
+    return names, required, written, defaults, objs, key, scalars
 
 
 def test_malformed_two_tables_and_calls_never_crash(c_module):

@@ -66,6 +66,7 @@ class Layout:
         self.more = options[len(named) :]
         more_args = _option_args(self.more)
         self.names = written + more_args
+        self.written = len(written)  # those a call may give by keyword
         self.required = sum(p.default is p.empty for p in params)
         more_defaults = tuple(v for o in self.more for v in (None, *(default(s) for s in o.scalars)))
         self.defaults = tuple(None if p.default is p.empty else p.default for p in params) + more_defaults
@@ -115,11 +116,12 @@ class Layout:
         return objs + self._more_objs(more + parts), scalars + self._more_scalars(more)
 
     def table(self) -> tuple:
-        """What ``launcher.c``'s ``two`` reads a call by: ``(names, required, defaults,
-        objects, key, scalars)``; each object ``(argument, part, parts)``: part -1 for the
-        argument itself, else item ``part`` of a tuple of ``parts``. Its bind_entries checks
-        every count and index."""
-        return self.names, self.required, self.defaults, self.objs, self.key, self.scalars
+        """What ``launcher.c``'s ``two`` reads a call by: ``(names, required, written,
+        defaults, objects, key, scalars)``: a call gives the first ``required`` names, may give
+        the first ``written`` by keyword; each object ``(argument, part, parts)``: part -1 for
+        the argument itself, else item ``part`` of a tuple of ``parts``. Its bind_entries
+        checks every count and index."""
+        return self.names, self.required, self.written, self.defaults, self.objs, self.key, self.scalars
 
     def read(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple, tuple]:
         """``(objects, key, scalars)`` of a call by the table, as the compiled entry reads it
@@ -127,7 +129,7 @@ class Layout:
         a = list(args) + [None] * (len(self.names) - len(args))
         given = [i < len(args) for i in range(len(self.names))]
         for k, v in kwargs.items():
-            i = self.names.index(k)
+            i = self.names.index(k, 0, self.written)
             a[i], given[i] = v, True
         a = [x if g else d for x, g, d in zip(a, given, self.defaults, strict=True)]
         objs = tuple(a[i] if p < 0 or a[i] is None else a[i][p] for i, p, _ in self.objs)

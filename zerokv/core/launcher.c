@@ -1380,7 +1380,7 @@ typedef struct {
 } two_key_item;
 static struct {
     PyObject *names, *defaults; /* tuples, held */
-    int nargs, required, nobjs, nkey, nscalars;
+    int nargs, required, written, nobjs, nkey, nscalars; /* written: those a keyword may name */
     two_obj objs[MAX_SLOTS];
     two_key_item key[TWO_MAX_KEY];
     int scalars[TWO_MAX_SCALARS];
@@ -1399,13 +1399,13 @@ static int two_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, 
     Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     for (Py_ssize_t j = 0; j < nkw; j++) {
         PyObject *name = PyTuple_GET_ITEM(kwnames, j);
-        int i = 0;
-        while (i < n && name != PyTuple_GET_ITEM(tw.names, i))
+        int i = 0, w = tw.written;
+        while (i < w && name != PyTuple_GET_ITEM(tw.names, i))
             i++;
-        for (int k = 0; i == n && k < n; k++)
+        for (int k = 0; i == w && k < w; k++)
             if (PyUnicode_Check(name) && PyUnicode_Compare(name, PyTuple_GET_ITEM(tw.names, k)) == 0)
                 i = k;
-        if (i == n || a[i] != NULL)
+        if (i == w || a[i] != NULL)
             return 0;
         a[i] = args[nargs + j];
     }
@@ -1543,11 +1543,11 @@ static PyObject *table_tuple(PyObject *t, Py_ssize_t n, const char *what)
 /* The two-way table (entry_args.table()) checked item by item into tw; tw is unchanged on error. */
 static int bind_two_table(PyObject *table)
 {
-    if (table_tuple(table, 6, "table") == NULL)
+    if (table_tuple(table, 7, "table") == NULL)
         return -1;
-    PyObject *names = PyTuple_GET_ITEM(table, 0), *defaults = PyTuple_GET_ITEM(table, 2);
-    PyObject *objs = PyTuple_GET_ITEM(table, 3), *key = PyTuple_GET_ITEM(table, 4);
-    PyObject *scalars = PyTuple_GET_ITEM(table, 5);
+    PyObject *names = PyTuple_GET_ITEM(table, 0), *defaults = PyTuple_GET_ITEM(table, 3);
+    PyObject *objs = PyTuple_GET_ITEM(table, 4), *key = PyTuple_GET_ITEM(table, 5);
+    PyObject *scalars = PyTuple_GET_ITEM(table, 6);
     if (table_tuple(names, -TWO_MAX_ARGS, "names") == NULL)
         return -1;
     if (PyTuple_GET_SIZE(names) == 0) {
@@ -1561,7 +1561,8 @@ static int bind_two_table(PyObject *table)
             return -1;
         }
     int required = table_int(PyTuple_GET_ITEM(table, 1), 0, n + 1, "required count");
-    if (required == INT_MIN || table_tuple(defaults, n, "defaults") == NULL ||
+    int written = table_int(PyTuple_GET_ITEM(table, 2), 0, n + 1, "keyword count");
+    if (required == INT_MIN || written == INT_MIN || table_tuple(defaults, n, "defaults") == NULL ||
         table_tuple(objs, -MAX_SLOTS, "objects") == NULL || table_tuple(key, -TWO_MAX_KEY, "key") == NULL ||
         table_tuple(scalars, -TWO_MAX_SCALARS, "scalars") == NULL)
         return -1;
@@ -1593,7 +1594,7 @@ static int bind_two_table(PyObject *table)
             return -1;
     Py_XSETREF(tw.names, Py_NewRef(names));
     Py_XSETREF(tw.defaults, Py_NewRef(defaults));
-    tw.nargs = n, tw.required = required, tw.nobjs = nobjs, tw.nkey = nkey, tw.nscalars = nscalars;
+    tw.nargs = n, tw.required = required, tw.written = written, tw.nobjs = nobjs, tw.nkey = nkey, tw.nscalars = nscalars;
     memcpy(tw.objs, o, sizeof(o[0]) * (size_t)nobjs);
     memcpy(tw.key, k, sizeof(k[0]) * (size_t)nkey);
     memcpy(tw.scalars, sc, sizeof(sc[0]) * (size_t)nscalars);
