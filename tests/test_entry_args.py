@@ -127,7 +127,7 @@ def test_the_compiled_entry_keys_a_call_by_the_table_it_is_handed():
 
     def python_two(*args, **kwargs):
         left.append(args)
-        return merge_plans.python_two(*args[:19], **kwargs)
+        return merge_plans.python_two(*args[: len(LAYOUT.names)], **kwargs)
 
     head = (vars(_executor), plans.recent, bound.BoundCall, pyexec.run)
     with zt.record_launches(executor="c") as log:
@@ -137,11 +137,11 @@ def test_the_compiled_entry_keys_a_call_by_the_table_it_is_handed():
         plans.recent[(*key, "b")] = plans.recent[key]
         try:
             module.bind_entries(*head, python_two, *entries[1:], EXTRA.table())
-            module.two(*call, None, None, "float32", None, torch.zeros(2), "b")
+            full = [*call, *EXTRA.defaults[len(call) :]]
+            full[EXTRA.names.index("extra")] = torch.zeros(2)
+            module.two(*full[:-1], "b")
             assert not left and len(log.launches) == 2
-            module.two(
-                *call, None, None, "float32", None, torch.zeros(2), "a"
-            )  # no bound call under this key
+            module.two(*full[:-1], "a")  # no bound call under this key
             assert len(left) == 1 and len(log.launches) == 3
             with pytest.raises(TypeError, match="extra"):  # by position only, as the Python entry
                 module.two(*call, extra=torch.zeros(2))
