@@ -171,7 +171,7 @@ def test_a_schema_takes_an_appended_option_and_passes_it_on():
     opts = op_schema.Options(EXTRA, True, fixed)
     assert opts.schema.endswith(", Tensor? extra=None, str extra_mode='a'")
     x, cu, lens = object(), object(), object()
-    tail = opts((cu, lens, None, None, None, None, "float32", x))
+    tail = opts((cu, lens, *opts.defaults[2:-2], x))  # extra and extra_mode: the last two
     by_name = dict(zip(EXTRA.names[8:], tail, strict=True))
     assert by_name["a_empty"] == (cu, lens) and by_name["extra"] is x and by_name["extra_mode"] == "a"
     assert by_name["row_mask"] is None and by_name["names"] == {}
