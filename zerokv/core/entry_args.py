@@ -10,7 +10,7 @@ order, an option of several split into them), how each item of the key of its re
 calls is made, and which arguments are its scalars. The compiled entry (``launcher.c``'s
 ``two``) reads every call by that table, handed to it once at bind time (:meth:`Layout.table`);
 the Python entry reads its written parameters as they are and the options after them through
-:meth:`Layout.more`. A new option appended to the spec is read by both with no edit of either;
+:meth:`Layout.more_args`. A new option appended to the spec is read by both with no edit of either;
 writing it out among the Python function's parameters (a tuning step) spares the Python
 entry the generic read.
 """
