@@ -1381,6 +1381,7 @@ typedef struct {
 static struct {
     PyObject *names, *defaults; /* tuples, held */
     int nargs, required, written, nobjs, nkey, nscalars; /* written: those a keyword may name */
+    int in_place; /* the first objects are the first arguments, as they are */
     two_obj objs[MAX_SLOTS];
     two_key_item key[TWO_MAX_KEY];
     int scalars[TWO_MAX_SCALARS];
@@ -1394,9 +1395,17 @@ static int two_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, 
     int n = tw.nargs;
     if (n == 0 || nargs > n)
         return 0;
+    PyObject *const *dflt = &PyTuple_GET_ITEM(tw.defaults, 0);
+    if (kwnames == NULL) { /* by position: the rest at their defaults */
+        if (nargs < tw.required)
+            return 0;
+        memcpy(a, args, sizeof(a[0]) * (size_t)nargs);
+        memcpy(a + nargs, dflt + nargs, sizeof(a[0]) * (size_t)(n - nargs));
+        return 1;
+    }
     for (int i = 0; i < n; i++)
         a[i] = i < nargs ? args[i] : NULL;
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    Py_ssize_t nkw = PyTuple_GET_SIZE(kwnames);
     for (Py_ssize_t j = 0; j < nkw; j++) {
         PyObject *name = PyTuple_GET_ITEM(kwnames, j);
         int i = 0, w = tw.written;
@@ -1414,7 +1423,7 @@ static int two_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, 
             continue;
         if (i < tw.required)
             return 0;
-        a[i] = PyTuple_GET_ITEM(tw.defaults, i);
+        a[i] = dflt[i];
     }
     return 1;
 }
@@ -1466,7 +1475,8 @@ static void two_key_done(PyObject *key) { Py_DECREF(key); }
 static PyObject *two_run(PyObject *const *a)
 {
     PyObject *objs[MAX_SLOTS], *key_items[TWO_MAX_KEY], *scalars[TWO_MAX_SCALARS];
-    for (int j = 0; j < tw.nobjs; j++) {
+    memcpy(objs, a, sizeof(objs[0]) * (size_t)tw.in_place);
+    for (int j = tw.in_place; j < tw.nobjs; j++) {
         two_obj o = tw.objs[j];
         PyObject *x = a[o.arg];
         if (o.part < 0 || x == Py_None)
@@ -1594,6 +1604,9 @@ static int bind_two_table(PyObject *table)
             return -1;
     Py_XSETREF(tw.names, Py_NewRef(names));
     Py_XSETREF(tw.defaults, Py_NewRef(defaults));
+    tw.in_place = 0;
+    while (tw.in_place < nobjs && o[tw.in_place].arg == tw.in_place && o[tw.in_place].part < 0)
+        tw.in_place++;
     tw.nargs = n, tw.required = required, tw.written = written, tw.nobjs = nobjs, tw.nkey = nkey, tw.nscalars = nscalars;
     memcpy(tw.objs, o, sizeof(o[0]) * (size_t)nobjs);
     memcpy(tw.key, k, sizeof(k[0]) * (size_t)nkey);
