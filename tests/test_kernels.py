@@ -14,6 +14,7 @@ import re
 import pytest
 
 from zerokv.core import forms
+from zerokv.core import kernel_params as _kernel_params
 from zerokv.core import kernels as _kernels
 from zerokv.core import sources as _sources
 from zerokv.core import spec as _spec
@@ -136,16 +137,16 @@ def test_option_parameters_come_from_the_spec_rows():
         options=(*spec.options, _spec.Option("x", (_spec.Arg("x", ("1",), ("float32",), ("x_ptr",)),), "x", ("x_ptr", "x_n"))),
     )  # fmt: skip
     text = "ptr va, @a_empty, @*"
-    params = _kernels._params(text, extra)
+    params = _kernel_params.params(text, extra)
     assert params[-2:] == (("x_ptr", "ptr"), ("x_n", "i64"))
     assert [n for n, _ in params[1:4]] == ["a_cu", "a_lens", "a_batch"]
     assert "bscale" not in dict(params)  # per-group fp8: not the generic kernel's
     k = dataclasses.replace(
-        _kernels.MERGE_STATE, params=_kernels._params(text.replace("@*", "ptr x_ptr"), extra)
+        _kernels.MERGE_STATE, params=_kernel_params.params(text.replace("@*", "ptr x_ptr"), extra)
     )
     assert k.params[-1] == ("x_ptr", "ptr")
     with pytest.raises(StopIteration):
-        _kernels._params("ptr va, @no_such_option", spec)
+        _kernel_params.params("ptr va, @no_such_option", spec)
 
 
 def test_instantiations_are_unique_and_name_described_kernels():

@@ -19,6 +19,7 @@ from functools import cached_property, lru_cache
 from . import dtypes as _dtypes
 from . import layout as _layout
 from . import spec as _spec
+from .kernel_params import params as _params
 
 # C type -> (struct code, bytes); the alignment of each is its size.
 CTYPES = {"ptr": ("Q", 8), "i64": ("q", 8), "i32": ("i", 4), "u32": ("I", 4), "f32": ("f", 4)}
@@ -107,33 +108,6 @@ def fast_divisor(d: int) -> tuple[int, int]:
         return 0, 0
     p = 31 + (d - 1).bit_length()
     return -(-(1 << p) // d), p - 32
-
-
-def _params(text: str, op: _spec.OpSpec | None = None, ints: str = "i64") -> tuple[tuple[str, str], ...]:
-    """``"ptr va, i64 va_st, ..."`` -> ((name, type), ...). ``@name`` stands for the kernel
-    parameters of ``op``'s option ``name`` (:func:`option_params`, their integers as ``ints``);
-    ``@*`` for those of every option of ``op`` its generic kernel takes that the text does not
-    place, in the spec's order."""
-    out = []
-    for item in (i.strip() for i in text.split(",")):
-        if item == "@*":
-            placed = {n[1:] for n in (i.strip() for i in text.split(",")) if n.startswith("@")}
-            for o in op.options:
-                if o.generic and o.name not in placed:
-                    out += option_params(o, ints)
-        elif item.startswith("@"):
-            out += option_params(next(o for o in op.options if o.name == item[1:]), ints)
-        else:
-            ctype, name = item.split()
-            out.append((name, ctype))
-    return tuple(out)
-
-
-def option_params(option: _spec.Option, ints: str) -> list[tuple[str, str]]:
-    """The kernel parameters of a spec row, typed: its arguments' pointers ``ptr``, the rest
-    (strides, sizes, what the plan derives) integers of type ``ints``."""
-    ptrs = {a.params[0] for a in option.args if a.params}
-    return [(n, "ptr" if n in ptrs else ints) for n in (*option.params, *option.derived)]
 
 
 _V = [(_dtypes.ctype(i), i) for i in _dtypes.V_IN]
