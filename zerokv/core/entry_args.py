@@ -38,11 +38,10 @@ def default(s: _spec.Scalar) -> Any:
 
 
 def _getter(at: tuple) -> Any:
-    """``itemgetter`` that returns a tuple for any count of positions."""
-    if len(at) == 1:
-        (i,) = at
-        return lambda x: (x[i],)
-    return itemgetter(*at) if at else lambda x: ()
+    """``itemgetter`` that returns a tuple for any count of positions (a run of them: a slice)."""
+    if at and at != tuple(range(at[0], at[0] + len(at))):  # two or more, not one run
+        return itemgetter(*at)
+    return itemgetter(slice(at[0], at[0] + len(at)) if at else slice(0, 0))
 
 
 def _option_args(options: tuple) -> tuple:
@@ -84,7 +83,8 @@ class Layout:
         key_names = [self.names[a] if k == K_VALUE else None for k, a, _ in self.key]
         self.option_scalars = _getter(tuple(key_names.index(s.name) for o in options for s in o.scalars))
         # the Python entry's read of the options after its parameters
-        self._n_written_objs = sum(len(o.args) for o in named) + len(spec.args)
+        n_written_objs = sum(len(o.args) for o in named) + len(spec.args)
+        self._pads = tuple((None,) * (n_written_objs - n) for n in range(n_written_objs + 1))  # by len(objs)
         self._more_n = len(more_args)
         self._more_defaults = more_defaults
         self._several = tuple((more_args.index(o.name), len(o.args), o) for o in self.more if len(o.args) > 1)
@@ -102,18 +102,24 @@ class Layout:
     def more_args(self, objs: tuple, scalars: tuple, more: tuple, names: dict | None) -> tuple[tuple, tuple]:
         """``objs`` and ``scalars`` (the Python entry's, of its written parameters) with the
         options given after them (``more``; those left out absent)."""
-        if len(more) > self._more_n:
-            raise TypeError(
-                f"merge_state's entry takes {len(self.names)} arguments ({', '.join(self.names)}), "
-                f"got {len(self.names) - self._more_n + len(more)}"
+        if len(more) != self._more_n:
+            if len(more) > self._more_n:
+                raise TypeError(
+                    f"merge_state's entry takes {len(self.names)} arguments ({', '.join(self.names)}), "
+                    f"got {len(self.names) - self._more_n + len(more)}"
+                )
+            more += self._more_defaults[len(more) :]
+        if self._several:
+            parts = ()
+            for i, k, o in self._several:
+                x = more[i]
+                parts += (
+                    (None,) * k if x is None else split(x, o, names.get(o.name, o.name) if names else o.name)
+                )
+            return objs + self._pads[len(objs)] + self._more_objs(more + parts), scalars + self._more_scalars(
+                more
             )
-        more += self._more_defaults[len(more) :]
-        parts = ()
-        for i, k, o in self._several:
-            x = more[i]
-            parts += (None,) * k if x is None else split(x, o, names.get(o.name, o.name) if names else o.name)
-        objs += (None,) * (self._n_written_objs - len(objs))
-        return objs + self._more_objs(more + parts), scalars + self._more_scalars(more)
+        return objs + self._pads[len(objs)] + self._more_objs(more), scalars + self._more_scalars(more)
 
     def table(self) -> tuple:
         """What ``launcher.c``'s ``two`` reads a call by: ``(names, required, written,
