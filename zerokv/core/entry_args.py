@@ -37,6 +37,9 @@ def default(s: _spec.Scalar) -> Any:
     return s.values[0] if s.values and not s.required else None
 
 
+OPTION_DEFAULTS = tuple(default(s) for o in OPTIONS for s in o.scalars)  # OPTION_SCALARS' defaults
+
+
 def _getter(at: tuple) -> Any:
     """``itemgetter`` that returns a tuple for any count of positions (a run of them: a slice)."""
     if at and at != tuple(range(at[0], at[0] + len(at))):  # two or more, not one run

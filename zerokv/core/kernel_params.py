@@ -14,10 +14,11 @@ def params(text: str, op: _spec.OpSpec | None = None, ints: str = "i64") -> tupl
     parameters of ``op``'s option ``name`` (:func:`option_params`, their integers as ``ints``);
     ``@*`` for those of every option of ``op`` its generic kernel takes that the text does not
     place, in the spec's order."""
+    items = [i.strip() for i in text.split(",")]
+    placed = {i[1:] for i in items if i.startswith("@")}
     out = []
-    for item in (i.strip() for i in text.split(",")):
+    for item in items:
         if item == "@*":
-            placed = {n[1:] for n in (i.strip() for i in text.split(",")) if n.startswith("@")}
             for o in op.options:
                 if o.generic and o.name not in placed:
                     out += option_params(o, ints)

@@ -155,7 +155,6 @@ A_WINDOW = 64
 # with F_GROUP_FP8: log2 of the packs of one group in bits 7-9, so that the kernel's shuffles and
 # scale index are compiled for the group's size (the g_shr parameter goes unused there)
 F_GROUP_SHIFT = 7
-QUANT_GROUPS = _spec.QUANT_GROUPS
 SAME_DTYPE_FEATURES = (F_A_EMPTY, F_A_EMPTY | F_A64, F_SINKS, F_ROW_MASK)
 RUN_FEATURES = (F_A_EMPTY | F_A_RUN, F_A_EMPTY | F_A64 | F_A_RUN)
 _FP8 = _dtypes.ctype(_dtypes.FP8[0])
@@ -173,7 +172,7 @@ def feature_pairs(ci: str, vec: int, runs: bool = False) -> list[tuple[str, int]
     """(output C type, FEAT) of every option feature instantiated for input C type ``ci`` in
     packs of ``vec`` (``runs``: with a_empty's F_A_RUN forms); per-group fp8 once per group."""
     same = SAME_DTYPE_FEATURES + (RUN_FEATURES if runs else ())
-    groups = [group_feature(g, vec) for g in QUANT_GROUPS if g % vec == 0]
+    groups = [group_feature(g, vec) for g in _spec.QUANT_GROUPS if g % vec == 0]
     return [(ci, f) for f in same] + [(_FP8, f) for f in (F_OUT_SCALE, *groups)]
 
 

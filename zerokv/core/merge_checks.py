@@ -22,10 +22,7 @@ def two(
 
 def _options(given: tuple) -> dict:
     """The options' scalars by name, those left out at their defaults."""
-    return dict(zip(_entry.OPTION_SCALARS, given + _DEFAULTS[len(given) :], strict=True))
-
-
-_DEFAULTS = tuple(_entry.default(s) for o in _spec.MERGE_STATE.options for s in o.scalars)
+    return dict(zip(_entry.OPTION_SCALARS, given + _entry.OPTION_DEFAULTS[len(given) :], strict=True))
 
 
 def n(objs: tuple, base: Any, quant: tuple = (None, "float32")) -> _validation.Checked:

@@ -168,13 +168,12 @@ def two(
 
 # The entry's arguments: two's parameters, then the spec's options after those it names; its
 # key as two makes it above (the options after them add their scalars); prefix_rows its scalar
-_E = _entry
 LAYOUT = _entry.Layout(
     two,
     (
-        (_E.K_VALUE, "lse_base", None), (_E.K_IS_NONE, "prefix_rows", None), (_E.K_VALUE, "suffix_verbatim", None),
-        (_E.K_OR_IS_NONE, "allocate_lse", "out"), (_E.K_VALUE, "quant_group", None),
-        (_E.K_VALUE, "scale_format", None), (_E.K_NOT_NONE, "lse_ht", None),
+        (_entry.K_VALUE, "lse_base", None), (_entry.K_IS_NONE, "prefix_rows", None), (_entry.K_VALUE, "suffix_verbatim", None),
+        (_entry.K_OR_IS_NONE, "allocate_lse", "out"), (_entry.K_VALUE, "quant_group", None),
+        (_entry.K_VALUE, "scale_format", None), (_entry.K_NOT_NONE, "lse_ht", None),
     ),
     ("prefix_rows",),
 )  # fmt: skip
