@@ -281,6 +281,43 @@ def test_dry_run_goes_through_the_whole_pipeline(tmp_path):
     assert "## targets" in found.with_suffix(".md").read_text()
 
 
+def test_ab_ratios_and_what_leaves_each_trees_spread(bench):
+    from bench import ab
+
+    times = {
+        "same": {"this": [10.0, 10.02], "other": [10.01, 10.0]},  # within this tree's 0.2 %
+        "slower": {"this": [10.0, 10.0], "other": [10.3, 10.3]},
+        "noisy": {"this": [10.0, 11.0], "other": [10.4, 10.4]},  # 10 % spread covers it
+        "alone": {"this": [1.0]},  # not run on the other tree: no ratio
+    }
+    got = ab.compare(times)
+    assert got["n"] == 3 and set(got["rows"]) == {"same", "slower", "noisy"}
+    assert got["rows"]["slower"]["ratio"] == pytest.approx(1.03)
+    assert got["rows"]["noisy"]["ratio"] == pytest.approx(10.4 / 10.5)
+    assert list(got["beyond_noise"]) == ["slower"]
+    assert got["median_ratio"] == pytest.approx(10.005 / 10.01)  # the middle of the three
+
+
+def test_ab_dry_run_imports_each_trees_own_package(tmp_path):
+    """``python -m bench.ab --dry-run`` against a copy of this tree's package: each tree's runs
+    import their own zerokv, and every row of both has a ratio."""
+    other = tmp_path / "other"
+    other.mkdir()
+    for d in ("zerokv", "kernels_cu"):
+        subprocess.run(["cp", "-r", str(ROOT / d), str(other / d)], check=True)
+    out = tmp_path / "ab.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "bench.ab", "--other", str(other), "--rounds", "1", "--dry-run"]
+    cmd += ["--parts", "merge", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["packages"]["this"] == str(ROOT / "zerokv" / "__init__.py")
+    assert doc["packages"]["other"] == str(other / "zerokv" / "__init__.py")
+    assert doc["n"] >= 5 and all(r["rc"] == 0 for r in doc["runs"])
+    assert all(len(v["this"]) == len(v["other"]) == 1 for v in doc["rows"].values())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_vllm_design_merge_matches_the_reference(bench, dtype):
