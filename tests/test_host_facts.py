@@ -1,9 +1,10 @@
 """The readers' facts against the tensors and the one home of alignment (core/layout.py).
 
 ``facts.read`` of each op's spec reads a signature's first call and the calls its
-generated call does not take: random strided layouts, offsets and LSE orientations are read and
+bound call does not take: random strided layouts, offsets and LSE orientations are read and
 each pointer and stride, and the signature's alignment, compared with the tensors and
-``layout.aligned``. (The generated calls' byte ends: tests/test_generated_calls.py.)
+``layout.aligned``. (The bound calls' byte ends and overlaps: tests/test_bound_calls.py and
+tests/test_checks.py.)
 """
 
 from __future__ import annotations
