@@ -5,7 +5,8 @@
 Rows (µs, median of interleaved rounds, and × ``torch.mul(out=)``): the public ``merge_state``
 through the C and the Python executor (the same tensors, and a new T every call as an engine
 calls), each executor alone on a bound call, every option, the ``[H, T]`` LSE, allocated
-outputs, each adapter, ``torch.ops.zerokv``, the empty-row ops and ``merge_states``. ``--cpu``:
+outputs, each adapter, ``torch.ops.zerokv``, the empty-row ops and ``merge_states``; the new-T
+rows' loop around a no-op (its cost is in each of them). ``--cpu``:
 CPU tensors down the GPU path with launches counted, not made (``zerokv.testing``), and
 ``torch.mul`` of 64 floats on one thread. ``--against DIR``: also the same public call of
 another zerokv package directory (e.g. an older release unpacked there), loaded in this process
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = (64,) if args.cpu else (args.T, H, D)
     a, b, c = torch.randn(shape, device=dev), torch.randn(shape, device=dev), torch.empty(shape, device=dev)
     steps: dict[str, Any] = {"torch.mul(out=)": lambda: torch.mul(a, b, out=c)}
+    # the new-T rows' own loop around a callee that does nothing: part of each of those rows
+    steps["new-T loop, no-op callee"] = _new_t(lambda *a, out=None, out_lse=None: None, torch, dev)
     names = ["c", "python"] if executor.module_of_safe("c") is not None else ["python"]
     for name in names:
         for label, fn in _calls(zerokv, torch, dev, args.T).items():
