@@ -27,21 +27,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run(tree: Path, parts: str, out: str, dry: bool) -> tuple[int, str]:
+def _python(tree: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python args`` importing ``tree``'s zerokv (and this tree's bench), from a directory
+    outside both trees."""
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}")
-    cmd = [sys.executable, "-m", "bench", "--quick", "--only", parts, "--out", out] + (
-        ["--dry-run"] if dry else []
+    cmd = [sys.executable, *args]
+    return subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True)
+
+
+def _run(tree: Path, parts: str, out: str, dry: bool) -> tuple[int, str]:
+    p = _python(
+        tree, "-m", "bench", "--quick", "--only", parts, "--out", out, *(["--dry-run"] if dry else [])
     )
-    p = subprocess.run(cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True)
     return p.returncode, (p.stdout + p.stderr)[-2000:]
 
 
 def _package(tree: Path) -> str:
-    env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}")
-    cmd = [sys.executable, "-c", "import zerokv; print(zerokv.__file__)"]
-    return subprocess.run(
-        cmd, env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True
-    ).stdout.strip()
+    return _python(tree, "-c", "import zerokv; print(zerokv.__file__)").stdout.strip()
 
 
 def _rows(out: str) -> dict[str, float]:

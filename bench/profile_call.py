@@ -234,12 +234,9 @@ class _Counted:
     """Another package's launcher stand-in: packs as a launch would, launches nothing (each of
     the launch entries that releases have had)."""
 
-    handle = context = 0
-
     def __init__(self, kernel: Any, targs: tuple, device: int) -> None:
         self.buf = bytearray(kernel.packer.size)
         self.pack_into = kernel.packer.pack_into
-        self.block = kernel.block
         self.count = 0
 
     def launch_values(self, grid: int, grid_y: int, stream: int, values: Any) -> None:

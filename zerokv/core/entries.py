@@ -1,8 +1,9 @@
 """The ops' compiled entries: once the compiled executor runs the calls, ``merge_plans.two``,
 ``merge_states_plan.n`` and ``empty_rows_plan.run`` become its entries, which run a call's recent
 bound calls in C and hand every other call to the Python entries (``python_two``, ``python_n``,
-``python_run``) unchanged; ``two`` reads a call by :meth:`zerokv.core.entry_args.Layout.table`. While ``executor.run`` is not the compiled ``run_either`` (the Python
-executor chosen, or ``zerokv.testing`` recording on it) the entries decline at once.
+``python_run``) unchanged; ``two`` reads a call by :meth:`zerokv.core.entry_args.Layout.table`.
+While ``executor.run`` is not the compiled ``run_either`` (the Python executor chosen, or
+``zerokv.testing`` recording on it) the entries decline at once.
 """
 
 from __future__ import annotations

@@ -171,9 +171,10 @@ def two(
 LAYOUT = _entry.Layout(
     two,
     (
-        (_entry.K_VALUE, "lse_base", None), (_entry.K_IS_NONE, "prefix_rows", None), (_entry.K_VALUE, "suffix_verbatim", None),
-        (_entry.K_OR_IS_NONE, "allocate_lse", "out"), (_entry.K_VALUE, "quant_group", None),
-        (_entry.K_VALUE, "scale_format", None), (_entry.K_NOT_NONE, "lse_ht", None),
+        (_entry.K_VALUE, "lse_base", None), (_entry.K_IS_NONE, "prefix_rows", None),
+        (_entry.K_VALUE, "suffix_verbatim", None), (_entry.K_OR_IS_NONE, "allocate_lse", "out"),
+        (_entry.K_VALUE, "quant_group", None), (_entry.K_VALUE, "scale_format", None),
+        (_entry.K_NOT_NONE, "lse_ht", None),
     ),
     ("prefix_rows",),
 )  # fmt: skip
