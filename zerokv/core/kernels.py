@@ -6,7 +6,8 @@ description come the instantiation list (what the offline compile and ``precompi
 the packing of the arguments (natural C alignment, in the kernel's own order) and the block
 size, which reaches the kernel's ``__launch_bounds__`` as ``ZK_BLOCK_<name>`` (defined at the
 top of the source handed to NVRTC). ``tests/test_kernels.py`` holds each description against
-the C parameter list in ``kernels_cu/``: names, types and order.
+the C parameter list in ``kernels_cu/`` (or, for a kernel that takes one struct, its fields):
+names, types and order.
 """
 
 from __future__ import annotations
@@ -190,6 +191,9 @@ _OPTION_PARAMS = (
 )
 
 # The common call in its smallest form: one thread per pack, 32-bit parameters (kernels_cu/merge.cu).
+# The flat kernels take their parameters as the fields of one struct (merge.cu's FlatArgs): these
+# descriptions are its fields by name, type and order, and the packing by natural alignment is
+# the struct's layout.
 MERGE_STATE_FLAT = Kernel(
     stem="merge",
     name="merge_state_flat_kernel",
@@ -229,9 +233,7 @@ MERGE_STATE_HEADS = Kernel(
         for co, f in feature_pairs(ci, v)
     ),
     block=128,
-    params=tuple(
-        (n, c) for n, c in MERGE_STATE_FLAT.params if n not in ("rows", "packs_mul", "H_mul", "H_shr")
-    ),
+    params=MERGE_STATE_FLAT.params,  # rows, packs_mul, H_mul and H_shr unused
 )
 
 # The many-waves form of the flat kernel (merge.py picks it by the call's threads): blocks of
