@@ -202,3 +202,19 @@ def test_a_empty_in_runs_of_spans_from_their_threshold_on(extra):
         assert G - L == spans - L * K >= min(tail, spans)  # the tail: `tail` blocks of one span (or all)
     # another option at the same size keeps one span a block
     assert forms.merge_two(_call(33000, features=("sinks",), **extra), DEV, BF16).run_tail == 0
+
+
+def test_every_option_of_merge_state_has_a_row_and_the_last_row_takes_the_generic_ones():
+    """A feature no row names fails at the call; the last row takes every option its generic
+    kernel takes, so a new option runs with no edit of the form table."""
+    from zerokv.core import spec
+
+    named = frozenset().union(*(row.features for row in forms.MERGE_FORMS))
+    for o in spec.MERGE_STATE.options:
+        assert o.feature in named, o.name
+        assert (o.feature in forms.MERGE_FORMS[-1].features) == o.generic, o.name
+    T = 64
+    for o in spec.MERGE_STATE.options:
+        if o.generic:
+            name, _ = _pick(_call(T, features=(o.feature, "sinks" if o.feature != "sinks" else "row_mask")))
+            assert name == "merge_state_kernel", o.name

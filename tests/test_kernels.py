@@ -15,9 +15,12 @@ from types import SimpleNamespace
 import pytest
 
 from zerokv.core import bound as _bound
+from zerokv.core import forms
+from zerokv.core import kernel_params as _kernel_params
 from zerokv.core import kernels as _kernels
 from zerokv.core import offline as _offline
 from zerokv.core import sources as _sources
+from zerokv.core import spec as _spec
 
 _GLOBAL = re.compile(
     r"__global__\s+void\s+(__launch_bounds__\((?P<bounds>[^)]*)\)\s+)?(?P<name>\w+)\s*\((?P<params>[^)]*)\)",
@@ -242,6 +245,38 @@ def test_the_struct_lays_its_fields_where_the_bound_call_packs_them():
                 lines.append(f'static_assert(__builtin_offsetof({t}, {name}) == {offset}, "{expr}: {name}");')
     result = _offline._compile(_sources.source("merge") + "\n".join(lines) + "\n", "merge.cu", [], "sm_80")
     assert not isinstance(result, str), result[:2000]
+
+
+def test_option_parameters_come_from_the_spec_rows():
+    """The merge kernels' option parameters are the spec's rows, typed by rule: a new option of
+    merge_state reaches the generic kernel's description (and, unwritten in merge.cu, fails the
+    test above); an option whose row does not say its parameters fails here."""
+    spec = _spec.MERGE_STATE
+    generic = dict(_kernels.MERGE_STATE.params)
+    flat = dict(_kernels.MERGE_STATE_FLAT.params)
+    flat_features = forms.MERGE_FORMS[1].features
+    for o in spec.options:
+        ptrs = {a.params[0] for a in o.args}
+        for p in (*o.params, *o.derived):
+            if o.generic:
+                assert generic[p] == ("ptr" if p in ptrs else "i64"), (o.name, p)
+            if o.feature in flat_features:  # the flat family's options (a tuning step)
+                assert flat[p] == ("ptr" if p in ptrs else "i32"), (o.name, p)
+    extra = dataclasses.replace(
+        spec,
+        options=(*spec.options, _spec.Option("x", (_spec.Arg("x", ("1",), ("float32",), ("x_ptr",)),), "x", ("x_ptr", "x_n"))),
+    )  # fmt: skip
+    text = "ptr va, @a_empty, @*"
+    params = _kernel_params.params(text, extra)
+    assert params[-2:] == (("x_ptr", "ptr"), ("x_n", "i64"))
+    assert [n for n, _ in params[1:4]] == ["a_cu", "a_lens", "a_batch"]
+    assert "bscale" not in dict(params)  # per-group fp8: not the generic kernel's
+    k = dataclasses.replace(
+        _kernels.MERGE_STATE, params=_kernel_params.params(text.replace("@*", "ptr x_ptr"), extra)
+    )
+    assert k.params[-1] == ("x_ptr", "ptr")
+    with pytest.raises(StopIteration):
+        _kernel_params.params("ptr va, @no_such_option", spec)
 
 
 def test_instantiations_are_unique_and_name_described_kernels():

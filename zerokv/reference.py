@@ -79,13 +79,20 @@ def merge_state(
     a_empty_rows: np.ndarray | None = None,
     suffix_verbatim: bool = False,
     sinks: np.ndarray | None = None,
+    a_empty: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Two-way merge. Rows ``t >= prefix_rows`` take state b alone (with the empty rule, or
     verbatim when ``suffix_verbatim``); rows where ``a_empty_rows[t]`` treat state a as empty
-    (its V never used). ``sinks``: as :func:`merge_states` (not on verbatim rows)."""
+    (its V never used). ``sinks``: as :func:`merge_states` (not on verbatim rows).
+    ``a_empty``: ``(cu_seqlens_q, kv_lens)``, the rows of :func:`rows_with_empty_a` (with
+    ``a_empty_rows``: either's rows). The options of ``zerokv.merge_state`` that change the
+    merged values are keywords here by their names (the CPU path passes them so)."""
     s_a = np.asarray(s_a, dtype=np.float64)
     s_b = np.asarray(s_b, dtype=np.float64)
     T = s_b.shape[0]
+    if a_empty is not None:
+        rows = rows_with_empty_a(*a_empty, T)
+        a_empty_rows = rows if a_empty_rows is None else rows | np.asarray(a_empty_rows, dtype=bool)
     use_a = np.arange(T) < (T if prefix_rows is None else prefix_rows)
     if a_empty_rows is not None:
         use_a &= ~np.asarray(a_empty_rows, dtype=bool)

@@ -11,11 +11,12 @@ so that torch.compile can trace them without running them::
     torch.ops.zerokv.fixup_zero_kv_rows(out, lse, kv_lens, cu_seqlens_q)        -> ()  (in place)
     torch.ops.zerokv.mask_empty_context(out, lse, cu_seqlens_q, cu_seqlens_kv)  -> ()  (in place)
 
-The merges take ``sinks`` (float32 ``[H]`` attention-sink logits) and ``a_cu_seqlens_q`` /
-``a_kv_lens`` (both or neither: the native ``a_empty`` pair); the ``_out`` forms take fp8
-outputs with ``out_scale`` or per-group scales (``out_block_scale``, ``quant_group``,
-``scale_format``: as :func:`zerokv.merge_state`). Importing :mod:`zerokv` registers them when
-torch is installed.
+The merges take ``sinks`` (float32 ``[H]`` attention-sink logits); ``merge_state`` and
+``merge_state_out`` take every option of :func:`zerokv.merge_state` but an engine adapter's, by
+its spec (:mod:`zerokv.core.op_schema`): ``a_cu_seqlens_q`` / ``a_kv_lens`` (both or neither:
+the native ``a_empty`` pair), and in the ``_out`` forms fp8 outputs with ``out_scale`` or
+per-group scales (``out_block_scale``, ``quant_group``, ``scale_format``). Importing
+:mod:`zerokv` registers them when torch is installed.
 """
 
 from __future__ import annotations
@@ -25,20 +26,25 @@ import torch
 from . import merge as _merge
 from .core import merge_plans as _merge_plans
 from .core import merge_states_plan as _merge_states_plan
+from .core import op_schema as _op_schema
 from .empty_rows import fixup_zero_kv_rows, mask_empty_context
 
 _lib = torch.library.Library("zerokv", "DEF")
 
+# merge_state's options, as merge_state (outputs allocated) and merge_state_out take them; the
+# native a_empty pair is two arguments (both or neither)
+_NAMES = _op_schema.several_names()  # the pair's halves by the schema's names, for messages
+_FIXED = {"suffix_verbatim": False, "allocate_lse": None, "names": _NAMES, "lse_ht": None}
+_OPTS = _op_schema.Options(_merge_plans.LAYOUT, False, _FIXED)
+_OUT_OPTS = _op_schema.Options(_merge_plans.LAYOUT, True, _FIXED)
 _lib.define(
-    "merge_state(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, str lse_base='e', "
-    "SymInt? prefix_rows=None, Tensor? a_cu_seqlens_q=None, Tensor? a_kv_lens=None, "
-    "Tensor? sinks=None) -> (Tensor, Tensor)"
+    "merge_state(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, str lse_base='e', SymInt? prefix_rows=None"
+    + _OPTS.schema
+    + ") -> (Tensor, Tensor)"
 )
 _lib.define(
     "merge_state_out(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, Tensor(a!) out, Tensor(b!)? out_lse, "
-    "str lse_base='e', SymInt? prefix_rows=None, Tensor? a_cu_seqlens_q=None, Tensor? a_kv_lens=None, "
-    "Tensor? out_scale=None, Tensor? sinks=None, Tensor(c!)? out_block_scale=None, int? quant_group=None, "
-    "str scale_format='float32') -> ()"
+    "str lse_base='e', SymInt? prefix_rows=None" + _OUT_OPTS.schema + ") -> ()"
 )
 _lib.define("merge_states(Tensor v, Tensor s, str lse_base='e', Tensor? sinks=None) -> (Tensor, Tensor)")
 _lib.define(
@@ -50,9 +56,6 @@ _lib.define("fixup_zero_kv_rows(Tensor(a!) out, Tensor(b!) lse, Tensor kv_lens, 
 _lib.define(
     "mask_empty_context(Tensor(a!) out, Tensor(b!) lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv) -> ()"
 )
-
-# the schema's names of the two halves of the native a_empty pair, for the checks' messages
-_NAMES = {"a_empty[0]": "a_cu_seqlens_q", "a_empty[1]": "a_kv_lens"}
 
 
 def _base(lse_base):
@@ -67,79 +70,25 @@ def _base(lse_base):
     )
 
 
-def _a_empty(a_cu_seqlens_q, a_kv_lens):
-    """The native ``a_empty`` pair; half of it is an error, not an absent pair."""
-    if (a_cu_seqlens_q is None) != (a_kv_lens is None):
-        given, missing = (
-            ("a_kv_lens", "a_cu_seqlens_q") if a_cu_seqlens_q is None else ("a_cu_seqlens_q", "a_kv_lens")
+# torch passes the schema's arguments by position, those left at their defaults at the end
+# omitted: the options come as a tuple, none in the common call
+def _merge_state(v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, *opts):
+    base = _base(lse_base)
+    if not opts:
+        return _merge_plans.two(
+            v_a, s_a, v_b, s_b, None, None, base, prefix_rows, None, None, None, None, False, None, _NAMES
         )
-        raise ValueError(
-            f"a_cu_seqlens_q and a_kv_lens: give both or neither ({given} given, {missing} is None)"
+    return _merge_plans.two(v_a, s_a, v_b, s_b, None, None, base, prefix_rows, *_OPTS(opts))
+
+
+def _merge_state_out(v_a, s_a, v_b, s_b, out, out_lse, lse_base="e", prefix_rows=None, *opts):
+    base = _base(lse_base)
+    if not opts:
+        _merge_plans.two(
+            v_a, s_a, v_b, s_b, out, out_lse, base, prefix_rows, None, None, None, None, False, None, _NAMES
         )
-    return None if a_cu_seqlens_q is None else (a_cu_seqlens_q, a_kv_lens)
-
-
-def _merge_state(
-    v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, a_cu_seqlens_q=None, a_kv_lens=None, sinks=None
-):
-    a_empty = None if a_cu_seqlens_q is None and a_kv_lens is None else _a_empty(a_cu_seqlens_q, a_kv_lens)
-    return _merge_plans.two(
-        v_a,
-        s_a,
-        v_b,
-        s_b,
-        None,
-        None,
-        _base(lse_base),
-        prefix_rows,
-        a_empty,
-        None,
-        sinks,
-        None,
-        False,
-        None,
-        _NAMES,
-    )
-
-
-def _merge_state_out(
-    v_a,
-    s_a,
-    v_b,
-    s_b,
-    out,
-    out_lse,
-    lse_base="e",
-    prefix_rows=None,
-    a_cu_seqlens_q=None,
-    a_kv_lens=None,
-    out_scale=None,
-    sinks=None,
-    out_block_scale=None,
-    quant_group=None,
-    scale_format="float32",
-):
-    a_empty = None if a_cu_seqlens_q is None and a_kv_lens is None else _a_empty(a_cu_seqlens_q, a_kv_lens)
-    _merge_plans.two(
-        v_a,
-        s_a,
-        v_b,
-        s_b,
-        out,
-        out_lse,
-        _base(lse_base),
-        prefix_rows,
-        a_empty,
-        out_scale,
-        sinks,
-        None,
-        False,
-        None,
-        _NAMES,
-        out_block_scale,
-        quant_group,
-        scale_format,
-    )
+    else:
+        _merge_plans.two(v_a, s_a, v_b, s_b, out, out_lse, base, prefix_rows, *_OUT_OPTS(opts))
 
 
 def _merge_states(v, s, lse_base="e", sinks=None):
@@ -166,10 +115,8 @@ for _key in ("CPU", "CUDA"):
 
 
 @torch.library.register_fake("zerokv::merge_state", lib=_lib)
-def _merge_state_fake(
-    v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, a_cu_seqlens_q=None, a_kv_lens=None, sinks=None
-):
-    _a_empty(a_cu_seqlens_q, a_kv_lens)  # a half pair fails while tracing too
+def _merge_state_fake(v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, *opts):
+    _OPTS(opts)  # an option given in part fails while tracing too
     return torch.empty_like(v_a, memory_format=torch.contiguous_format), s_a.new_empty(s_a.shape)
 
 
@@ -179,24 +126,8 @@ def _merge_states_fake(v, s, lse_base="e", sinks=None):
 
 
 @torch.library.register_fake("zerokv::merge_state_out", lib=_lib)
-def _merge_state_out_fake(
-    v_a,
-    s_a,
-    v_b,
-    s_b,
-    out,
-    out_lse,
-    lse_base="e",
-    prefix_rows=None,
-    a_cu_seqlens_q=None,
-    a_kv_lens=None,
-    out_scale=None,
-    sinks=None,
-    out_block_scale=None,
-    quant_group=None,
-    scale_format="float32",
-):
-    _a_empty(a_cu_seqlens_q, a_kv_lens)
+def _merge_state_out_fake(v_a, s_a, v_b, s_b, out, out_lse, lse_base="e", prefix_rows=None, *opts):
+    _OUT_OPTS(opts)
     return None
 
 

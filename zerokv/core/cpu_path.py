@@ -6,28 +6,37 @@ computes with :mod:`zerokv.reference` and writes the results back.
 
 from __future__ import annotations
 
+import inspect
 import sys
 
 import numpy as np
 
 from .. import reference
 from . import dtypes as _dtypes
+from . import spec as _spec
 from .tensors import Tensor
 from .validation import Checked
+
+# merge_state's options the reference takes by their names, with their scalars (those that
+# change the merged values); the others are the output's writing, here (WRITING: the rows a
+# mask leaves, fp8 scales)
+_TAKES = inspect.signature(reference.merge_state).parameters
+_TO_REFERENCE = tuple(o for o in _spec.MERGE_STATE.options if o.name in _TAKES)
+WRITING = ("row_mask", "out_scale", "out_block_scale")
 
 
 def merge_two(c: Checked, o: Tensor, ol: Tensor | None, prefix_rows: int, verbatim: bool) -> None:
     """A validated two-way merge into ``o``/``ol``."""
     t = c.tensors
-    a_empty_rows = None
-    if "a_empty" in c.options:
-        a_empty_rows = reference.rows_with_empty_a(
-            to_f64(t["cu_seqlens_q"]), to_f64(t["kv_lens"]), c.sym["T"]
-        )
+    options = {}
+    for opt in _TO_REFERENCE:  # each given one as float64 arrays (a tuple of several)
+        if opt.name in c.options:
+            x = tuple(to_f64(t[a.name]) for a in opt.args)
+            options[opt.name] = x if len(x) > 1 else x[0]
+            options.update((s.name, c.scalars[s.name]) for s in opt.scalars if s.name in _TAKES)
     res, lse = reference.merge_state(
         to_f64(t["v_a"]), to_f64(t["s_a"]), to_f64(t["v_b"]), to_f64(t["s_b"]),
-        lse_base=c.scalars["lse_base"], prefix_rows=prefix_rows, a_empty_rows=a_empty_rows,
-        suffix_verbatim=verbatim, sinks=to_f64(t["sinks"]) if "sinks" in t else None,
+        lse_base=c.scalars["lse_base"], prefix_rows=prefix_rows, suffix_verbatim=verbatim, **options,
     )  # fmt: skip
     rows = to_f64(t["row_mask"]).astype(bool) if "row_mask" in t else None
     write_merged(o, res, c, rows)

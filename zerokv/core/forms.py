@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 from . import dtypes as _dtypes
 from . import kernels as _kernels
+from . import spec as _spec
 from .layout import INT32
 
 # Every threshold of form selection, each measured on an H200 (bench/NOTES.md keeps the runs).
@@ -300,7 +301,8 @@ class MergeForm(NamedTuple):
 MERGE_FORMS: tuple[MergeForm, ...] = (
     MergeForm("flat", flat_family, frozenset()),
     MergeForm("flat, one option", flat_options, frozenset(_FEATURE_BITS)),
-    MergeForm("rows", _rows, frozenset({"a_empty", "row_mask", "sinks", "out_scale"})),
+    # merge_state_kernel: every option of the spec that its generic kernel takes
+    MergeForm("rows", _rows, frozenset(o.feature for o in _spec.MERGE_STATE.options if o.generic)),
 )
 
 

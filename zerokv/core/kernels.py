@@ -19,6 +19,8 @@ from functools import cached_property, lru_cache
 
 from . import dtypes as _dtypes
 from . import layout as _layout
+from . import spec as _spec
+from .kernel_params import params as _params
 
 # C type -> (struct code, bytes); the alignment of each is its size.
 CTYPES = {"ptr": ("Q", 8), "i64": ("q", 8), "i32": ("i", 4), "u32": ("I", 4), "f32": ("f", 4)}
@@ -109,15 +111,6 @@ def fast_divisor(d: int) -> tuple[int, int]:
     return -(-(1 << p) // d), p - 32
 
 
-def _params(spec: str) -> tuple[tuple[str, str], ...]:
-    """``"ptr va, i64 va_st, ..."`` -> ((name, type), ...)."""
-    out = []
-    for item in spec.split(","):
-        ctype, name = item.split()
-        out.append((name, ctype))
-    return tuple(out)
-
-
 _V = [(_dtypes.ctype(i), i) for i in _dtypes.V_IN]
 _FP8_CTYPES = {_dtypes.ctype(n) for n in _dtypes.FP8}  # outputs that always take the full kernel
 _O = [_dtypes.ctype(o) for o in _dtypes.V_OUT]
@@ -142,8 +135,8 @@ MERGE_STATE = Kernel(
         "ptr va, i64 va_st, i64 va_sh, ptr vb, i64 vb_st, i64 vb_sh, ptr out, i64 out_st, i64 out_sh,"
         " ptr sa, i64 sa_st, i64 sa_sh, ptr sb, i64 sb_st, i64 sb_sh, ptr olse, i64 ol_st, i64 ol_sh,"
         " i64 T, i64 H, i64 D, i64 lanes, i64 prefix_rows, i64 suffix_verbatim,"
-        " ptr a_cu, ptr a_lens, i64 a_batch, i64 a_is64, ptr row_mask, ptr sinks,"
-        " f32 k, f32 inv_k, ptr out_scale"
+        " @a_empty, i64 a_is64, @row_mask, @sinks, f32 k, f32 inv_k, @out_scale, @*",
+        _spec.MERGE_STATE,
     ),
 )
 
@@ -163,7 +156,6 @@ A_WINDOW = 64
 # with F_GROUP_FP8: log2 of the packs of one group in bits 7-9, so that the kernel's shuffles and
 # scale index are compiled for the group's size (the g_shr parameter goes unused there)
 F_GROUP_SHIFT = 7
-QUANT_GROUPS = (16, 32, 64, 128)  # values of one group of per-group fp8
 SAME_DTYPE_FEATURES = (F_A_EMPTY, F_A_EMPTY | F_A64, F_SINKS, F_ROW_MASK)
 RUN_FEATURES = (F_A_EMPTY | F_A_RUN, F_A_EMPTY | F_A64 | F_A_RUN)
 _FP8 = _dtypes.ctype(_dtypes.FP8[0])
@@ -181,14 +173,12 @@ def feature_pairs(ci: str, vec: int, runs: bool = False) -> list[tuple[str, int]
     """(output C type, FEAT) of every option feature instantiated for input C type ``ci`` in
     packs of ``vec`` (``runs``: with a_empty's F_A_RUN forms); per-group fp8 once per group."""
     same = SAME_DTYPE_FEATURES + (RUN_FEATURES if runs else ())
-    groups = [group_feature(g, vec) for g in QUANT_GROUPS if g % vec == 0]
+    groups = [group_feature(g, vec) for g in _spec.QUANT_GROUPS if g % vec == 0]
     return [(ci, f) for f in same] + [(_FP8, f) for f in (F_OUT_SCALE, *groups)]
 
 
-_OPTION_PARAMS = (
-    " ptr a_cu, ptr a_lens, i32 a_batch, ptr row_mask, ptr sinks, ptr out_scale,"
-    " ptr bscale, i32 bs_st, i32 bs_sg, i32 g_shr, i32 ue8m0"
-)
+# the options the flat family takes (their feature bits above), in the kernels' order
+_FLAT_OPTIONS = "@a_empty, @row_mask, @sinks, @out_scale, @out_block_scale"
 
 # The common call in its smallest form: one thread per pack, 32-bit parameters (kernels_cu/merge.cu).
 # The flat kernels take their parameters as the fields of one struct (merge.cu's FlatArgs): these
@@ -209,7 +199,9 @@ MERGE_STATE_FLAT = Kernel(
         " u32 packs_mul, i32 packs_shr, u32 H_mul, i32 H_shr,"
         " i32 sa_st, i32 sa_sh, i32 sb_st, i32 sb_sh, i32 va_st, i32 va_sh, i32 vb_st, i32 vb_sh,"
         " i32 out_st, i32 out_sh, i32 ol_st, i32 ol_sh, i32 prefix_rows, i32 suffix_verbatim,"
-        " f32 k, f32 inv_k," + _OPTION_PARAMS
+        " f32 k, f32 inv_k, " + _FLAT_OPTIONS,
+        _spec.MERGE_STATE,
+        "i32",
     ),
 )
 
@@ -273,8 +265,8 @@ MERGE_STATES = Kernel(
     params=_params(
         "ptr v, i64 v_sn, i64 v_st, i64 v_sh, ptr s, i64 s_sn, i64 s_st, i64 s_sh,"
         " ptr out, i64 out_st, i64 out_sh, ptr olse, i64 ol_st, i64 ol_sh,"
-        " i64 N, i64 T, i64 H, i64 D, i64 lanes, ptr sinks,"
-        " f32 k, f32 inv_k, ptr out_scale, ptr bscale, i64 bs_st, i64 bs_sg, i64 g_shr, i64 ue8m0"
+        " i64 N, i64 T, i64 H, i64 D, i64 lanes, @sinks, f32 k, f32 inv_k, @out_scale, @out_block_scale, @*",
+        _spec.MERGE_STATES,
     ),
 )
 

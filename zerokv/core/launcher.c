@@ -18,6 +18,7 @@
 #include <structmember.h>
 
 #include <dlfcn.h>
+#include <limits.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -1364,38 +1365,66 @@ static PyObject *recent_result(PyObject *key, PyObject *const *objs, Py_ssize_t 
     return got;
 }
 
-enum { TWO_ARGS = 19, TWO_REQUIRED = 11, TWO_KEY = 7 };
-static PyObject *two_names[TWO_ARGS];
-static const char *const two_text[TWO_ARGS] = {
-    "v_a", "s_a", "v_b", "s_b", "out", "out_lse", "lse_base", "prefix_rows", "a_empty", "out_scale",
-    "sinks", "row_mask", "suffix_verbatim", "allocate_lse", "names", "out_block_scale",
-    "quant_group", "scale_format", "lse_ht",
-};
+/* The two-way entry's arguments, as entry_args.table() lays them out and bind_entries() checks
+ * them: their names (positions of a call), how many a call must give, the defaults of the others,
+ * where each object of the bound call comes from (an argument, or one item of a tuple of several),
+ * how each item of the recent calls' key is made, and the arguments that are the bound call's
+ * scalars. Unbound (two_nargs 0): every call goes to the Python entry. */
+enum { TWO_MAX_ARGS = 64, TWO_MAX_KEY = 16, TWO_MAX_SCALARS = 4, TWO_MAX_PARTS = 16 };
+enum { KEY_VALUE, KEY_IS_NONE, KEY_NOT_NONE, KEY_OR_IS_NONE, KEY_KINDS };
+typedef struct {
+    int arg, part, parts; /* part -1: the argument itself */
+} two_obj;
+typedef struct {
+    int kind, arg, other;
+} two_key_item;
+static struct {
+    PyObject *names, *defaults; /* tuples, held */
+    int nargs, required, written, nobjs, nkey, nscalars; /* written: those a keyword may name */
+    int in_place; /* the first objects are the first arguments, as they are */
+    two_obj objs[MAX_SLOTS];
+    two_key_item key[TWO_MAX_KEY];
+    int scalars[TWO_MAX_SCALARS];
+} tw;
 
-/* The arguments of a call of merge_plans.two by position; 0 when they are not a call this
- * entry reads (the Python entry then makes it, or names what is wrong). */
+/* The arguments of a call of merge_plans.two by position, those it leaves out at their defaults
+ * (borrowed); 0 when they are not a call this entry reads (the Python entry then makes it, or
+ * names what is wrong). */
 static int two_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **a)
 {
-    if (nargs > TWO_ARGS)
+    int n = tw.nargs;
+    if (n == 0 || nargs > n)
         return 0;
-    for (int i = 0; i < TWO_ARGS; i++)
+    PyObject *const *dflt = &PyTuple_GET_ITEM(tw.defaults, 0);
+    if (kwnames == NULL) { /* by position: the rest at their defaults */
+        if (nargs < tw.required)
+            return 0;
+        memcpy(a, args, sizeof(a[0]) * (size_t)nargs);
+        memcpy(a + nargs, dflt + nargs, sizeof(a[0]) * (size_t)(n - nargs));
+        return 1;
+    }
+    for (int i = 0; i < n; i++)
         a[i] = i < nargs ? args[i] : NULL;
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    Py_ssize_t nkw = PyTuple_GET_SIZE(kwnames);
     for (Py_ssize_t j = 0; j < nkw; j++) {
         PyObject *name = PyTuple_GET_ITEM(kwnames, j);
-        int i = 0;
-        while (i < TWO_ARGS && name != two_names[i])
+        int i = 0, w = tw.written;
+        while (i < w && name != PyTuple_GET_ITEM(tw.names, i))
             i++;
-        for (int k = 0; i == TWO_ARGS && k < TWO_ARGS; k++)
-            if (PyUnicode_Check(name) && PyUnicode_Compare(name, two_names[k]) == 0)
+        for (int k = 0; i == w && k < w; k++)
+            if (PyUnicode_Check(name) && PyUnicode_Compare(name, PyTuple_GET_ITEM(tw.names, k)) == 0)
                 i = k;
-        if (i == TWO_ARGS || a[i] != NULL)
+        if (i == w || a[i] != NULL)
             return 0;
         a[i] = args[nargs + j];
     }
-    for (int i = 0; i < TWO_REQUIRED; i++)
-        if (a[i] == NULL)
+    for (int i = 0; i < n; i++) {
+        if (a[i] != NULL)
+            continue;
+        if (i < tw.required)
             return 0;
+        a[i] = dflt[i];
+    }
     return 1;
 }
 
@@ -1415,62 +1444,174 @@ static PyObject *bool_of(int x) { return x ? Py_True : Py_False; }
  * give it back with two_key_done(). */
 static PyObject *two_key_kept;
 
-static PyObject *two_key(PyObject *const *items)
+static PyObject *two_key(PyObject *const *items, int nkey)
 {
-    PyObject *key = two_key_kept, *old[TWO_KEY];
-    if (key == NULL || Py_REFCNT(key) != 1) {
-        key = PyTuple_New(TWO_KEY);
+    PyObject *key = two_key_kept, *old[TWO_MAX_KEY];
+    if (key == NULL || Py_REFCNT(key) != 1 || PyTuple_GET_SIZE(key) != nkey) {
+        key = PyTuple_New(nkey);
         if (key == NULL)
             return NULL;
-        for (int i = 0; i < TWO_KEY; i++)
+        for (int i = 0; i < nkey; i++)
             PyTuple_SET_ITEM(key, i, Py_NewRef(items[i]));
-        if (two_key_kept == NULL)
-            two_key_kept = Py_NewRef(key);
+        if (two_key_kept == NULL || Py_REFCNT(two_key_kept) == 1)
+            Py_XSETREF(two_key_kept, Py_NewRef(key));
         return key;
     }
     Py_INCREF(key); /* held now: a call made while the old items go finds it taken */
-    for (int i = 0; i < TWO_KEY; i++) {
+    for (int i = 0; i < nkey; i++) {
         old[i] = PyTuple_GET_ITEM(key, i);
         PyTuple_SET_ITEM(key, i, Py_NewRef(items[i]));
     }
-    for (int i = 0; i < TWO_KEY; i++)
+    for (int i = 0; i < nkey; i++)
         Py_DECREF(old[i]);
     return key;
 }
 
 static void two_key_done(PyObject *key) { Py_DECREF(key); }
 
-static PyObject *two(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+/* A call's recent bound calls run on its arguments `a` (two_args'): a new reference, Py_None
+ * when they leave the call (or an option of several is not given as a tuple of them) to the
+ * Python entry; NULL with an exception. */
+static PyObject *two_run(PyObject *const *a)
 {
-    PyObject *a[TWO_ARGS];
-    if (!entries_on() || !two_args(args, nargs, kwnames, a))
-        return fallback(python_two, args, nargs, kwnames);
-    PyObject *cu = Py_None, *lens = Py_None, *a_empty = a[8];
-    if (a_empty != Py_None) {
-        if (!PyTuple_CheckExact(a_empty) || PyTuple_GET_SIZE(a_empty) != 2)
-            return fallback(python_two, args, nargs, kwnames);
-        cu = PyTuple_GET_ITEM(a_empty, 0), lens = PyTuple_GET_ITEM(a_empty, 1);
+    PyObject *objs[MAX_SLOTS], *key_items[TWO_MAX_KEY], *scalars[TWO_MAX_SCALARS];
+    memcpy(objs, a, sizeof(objs[0]) * (size_t)tw.in_place);
+    for (int j = tw.in_place; j < tw.nobjs; j++) {
+        two_obj o = tw.objs[j];
+        PyObject *x = a[o.arg];
+        if (o.part < 0 || x == Py_None)
+            objs[j] = x;
+        else if (PyTuple_CheckExact(x) && PyTuple_GET_SIZE(x) == o.parts)
+            objs[j] = PyTuple_GET_ITEM(x, o.part);
+        else /* the Python entry takes it or names what is wrong */
+            Py_RETURN_NONE;
     }
-    PyObject *out = a[4], *alloc = a[13] ? a[13] : Py_None;
-    if (alloc == Py_None)
-        alloc = bool_of(out == Py_None);
-    PyObject *key_items[TWO_KEY] = {
-        a[6], bool_of(a[7] == Py_None), a[12] ? a[12] : Py_False, alloc, a[16] ? a[16] : Py_None,
-        a[17] ? a[17] : s_float32, bool_of(a[18] != NULL && a[18] != Py_None),
-    };
-    PyObject *obs = a[15] ? a[15] : Py_None;
-    PyObject *obj_items[12] = {
-        a[0], a[1], a[2], a[3], out, a[5], cu, lens, a[11] ? a[11] : Py_None, a[9], a[10], obs,
-    };
-    PyObject *key = two_key(key_items), *got = NULL;
+    for (int k = 0; k < tw.nkey; k++) {
+        two_key_item it = tw.key[k];
+        PyObject *x = a[it.arg];
+        switch (it.kind) {
+        case KEY_IS_NONE:
+            key_items[k] = bool_of(x == Py_None);
+            break;
+        case KEY_NOT_NONE:
+            key_items[k] = bool_of(x != Py_None);
+            break;
+        case KEY_OR_IS_NONE:
+            key_items[k] = x != Py_None ? x : bool_of(a[it.other] == Py_None);
+            break;
+        default:
+            key_items[k] = x;
+        }
+    }
+    for (int k = 0; k < tw.nscalars; k++)
+        scalars[k] = a[tw.scalars[k]];
+    PyObject *key = two_key(key_items, tw.nkey), *got = NULL;
     if (key != NULL) {
-        got = recent_result(key, obj_items, obs == Py_None ? 11 : 12, &a[7], 1, 0);
+        got = recent_result(key, objs, tw.nobjs, scalars, tw.nscalars, 0);
         two_key_done(key);
     }
+    return got;
+}
+
+static PyObject *two(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *a[TWO_MAX_ARGS];
+    if (!entries_on() || !two_args(args, nargs, kwnames, a))
+        return fallback(python_two, args, nargs, kwnames);
+    PyObject *held = Py_NewRef(tw.defaults); /* the defaults among `a` stay while the call runs */
+    PyObject *got = two_run(a);
+    Py_DECREF(held);
     if (got != Py_None)
         return got; /* the result, NULL with a bound call's exception, or NULL from no memory */
     Py_DECREF(got);
     return fallback(python_two, args, nargs, kwnames);
+}
+
+/* An int item of a table in [lo, hi), else -1 with ValueError naming `what`. */
+static int table_int(PyObject *x, int lo, int hi, const char *what)
+{
+    long v = PyLong_Check(x) ? PyLong_AsLong(x) : LONG_MIN;
+    if (v == -1 && PyErr_Occurred())
+        PyErr_Clear(), v = LONG_MIN;
+    if (v < lo || v >= hi) {
+        PyErr_Format(PyExc_ValueError, "bind_entries: the two-way table's %s must be an int in [%d, %d)", what, lo, hi);
+        return INT_MIN;
+    }
+    return (int)v;
+}
+
+/* Tuple `t` of exactly `n` items (n < 0: any count up to -n), else NULL with ValueError. */
+static PyObject *table_tuple(PyObject *t, Py_ssize_t n, const char *what)
+{
+    if (!PyTuple_Check(t) || (n >= 0 ? PyTuple_GET_SIZE(t) != n : PyTuple_GET_SIZE(t) > -n)) {
+        PyErr_Format(PyExc_ValueError, "bind_entries: the two-way table's %s is not a tuple of the right size", what);
+        return NULL;
+    }
+    return t;
+}
+
+/* The two-way table (entry_args.table()) checked item by item into tw; tw is unchanged on error. */
+static int bind_two_table(PyObject *table)
+{
+    if (table_tuple(table, 7, "table") == NULL)
+        return -1;
+    PyObject *names = PyTuple_GET_ITEM(table, 0), *defaults = PyTuple_GET_ITEM(table, 3);
+    PyObject *objs = PyTuple_GET_ITEM(table, 4), *key = PyTuple_GET_ITEM(table, 5);
+    PyObject *scalars = PyTuple_GET_ITEM(table, 6);
+    if (table_tuple(names, -TWO_MAX_ARGS, "names") == NULL)
+        return -1;
+    if (PyTuple_GET_SIZE(names) == 0) {
+        PyErr_SetString(PyExc_ValueError, "bind_entries: the two-way table names no argument");
+        return -1;
+    }
+    int n = (int)PyTuple_GET_SIZE(names);
+    for (int i = 0; i < n; i++)
+        if (!PyUnicode_CheckExact(PyTuple_GET_ITEM(names, i))) {
+            PyErr_SetString(PyExc_ValueError, "bind_entries: the two-way table's names must be strings");
+            return -1;
+        }
+    int required = table_int(PyTuple_GET_ITEM(table, 1), 0, n + 1, "required count");
+    int written = table_int(PyTuple_GET_ITEM(table, 2), 0, n + 1, "keyword count");
+    if (required == INT_MIN || written == INT_MIN || table_tuple(defaults, n, "defaults") == NULL ||
+        table_tuple(objs, -MAX_SLOTS, "objects") == NULL || table_tuple(key, -TWO_MAX_KEY, "key") == NULL ||
+        table_tuple(scalars, -TWO_MAX_SCALARS, "scalars") == NULL)
+        return -1;
+    two_obj o[MAX_SLOTS];
+    two_key_item k[TWO_MAX_KEY];
+    int sc[TWO_MAX_SCALARS];
+    int nobjs = (int)PyTuple_GET_SIZE(objs), nkey = (int)PyTuple_GET_SIZE(key);
+    int nscalars = (int)PyTuple_GET_SIZE(scalars);
+    if (nkey == 0) {
+        PyErr_SetString(PyExc_ValueError, "bind_entries: the two-way table's key is empty");
+        return -1;
+    }
+    for (int j = 0; j < nobjs; j++) {
+        PyObject *it = table_tuple(PyTuple_GET_ITEM(objs, j), 3, "object");
+        if (it == NULL || (o[j].arg = table_int(PyTuple_GET_ITEM(it, 0), 0, n, "object's argument")) == INT_MIN ||
+            (o[j].parts = table_int(PyTuple_GET_ITEM(it, 2), 1, TWO_MAX_PARTS + 1, "object's parts")) == INT_MIN ||
+            (o[j].part = table_int(PyTuple_GET_ITEM(it, 1), -1, o[j].parts, "object's part")) == INT_MIN)
+            return -1;
+    }
+    for (int j = 0; j < nkey; j++) {
+        PyObject *it = table_tuple(PyTuple_GET_ITEM(key, j), 3, "key item");
+        if (it == NULL || (k[j].kind = table_int(PyTuple_GET_ITEM(it, 0), 0, KEY_KINDS, "key kind")) == INT_MIN ||
+            (k[j].arg = table_int(PyTuple_GET_ITEM(it, 1), 0, n, "key's argument")) == INT_MIN ||
+            (k[j].other = table_int(PyTuple_GET_ITEM(it, 2), 0, n, "key's other argument")) == INT_MIN)
+            return -1;
+    }
+    for (int j = 0; j < nscalars; j++)
+        if ((sc[j] = table_int(PyTuple_GET_ITEM(scalars, j), 0, n, "scalar")) == INT_MIN)
+            return -1;
+    Py_XSETREF(tw.names, Py_NewRef(names));
+    Py_XSETREF(tw.defaults, Py_NewRef(defaults));
+    tw.in_place = 0;
+    while (tw.in_place < nobjs && o[tw.in_place].arg == tw.in_place && o[tw.in_place].part < 0)
+        tw.in_place++;
+    tw.nargs = n, tw.required = required, tw.written = written, tw.nobjs = nobjs, tw.nkey = nkey, tw.nscalars = nscalars;
+    memcpy(tw.objs, o, sizeof(o[0]) * (size_t)nobjs);
+    memcpy(tw.key, k, sizeof(k[0]) * (size_t)nkey);
+    memcpy(tw.scalars, sc, sizeof(sc[0]) * (size_t)nscalars);
+    return 0;
 }
 
 static PyObject *n(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
@@ -1522,13 +1663,16 @@ static Py_ssize_t member_offset(PyObject *cls, const char *name)
 
 static PyObject *bind_entries(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7 || !PyDict_Check(args[0]) || !PyDict_Check(args[1]) || !PyType_Check(args[2]) ||
+    if ((nargs != 7 && nargs != 8) || !PyDict_Check(args[0]) || !PyDict_Check(args[1]) || !PyType_Check(args[2]) ||
         !PyCallable_Check(args[3]) || !PyCallable_Check(args[4]) || !PyCallable_Check(args[5]) ||
         !PyCallable_Check(args[6])) {
         PyErr_SetString(PyExc_TypeError, "bind_entries(executor namespace, recent, BoundCall, python run, "
-                                         "two, n, empty_rows) takes two dicts, a class and four callables");
+                                         "two, n, empty_rows[, two's table]) takes two dicts, a class, four "
+                                         "callables and a table");
         return NULL;
     }
+    if (nargs == 8 && bind_two_table(args[7]) < 0)
+        return NULL;
     PyObject *either = PyObject_GetAttrString(module, "run_either");
     if (either == NULL)
         return NULL;
@@ -1598,9 +1742,9 @@ static PyMethodDef methods[] = {
     {"empty_rows", (PyCFunction)(void (*)(void))empty_rows, METH_FASTCALL | METH_KEYWORDS,
      "empty_rows_plan.run's entry, as two()."},
     {"bind_entries", (PyCFunction)(void (*)(void))bind_entries, METH_FASTCALL,
-     "bind_entries(executor namespace, recent, BoundCall, python run, two, n, empty_rows): the "
-     "entries run the recent bound calls while the namespace's run is run_either, and call the "
-     "Python entries otherwise."},
+     "bind_entries(executor namespace, recent, BoundCall, python run, two, n, empty_rows[, table]): "
+     "the entries run the recent bound calls while the namespace's run is run_either, and call the "
+     "Python entries otherwise; table: how two() reads a call (entry_args.table(), checked here)."},
     {"set_recorder", (PyCFunction)(void (*)(void))set_recorder, METH_FASTCALL,
      "set_recorder(fn, keep): launches go to fn(entry, grid, grid_y, params) (keep=True), are "
      "only counted (keep=False), or reach the driver (fn=None, keep=True); the count restarts."},
@@ -1667,9 +1811,6 @@ PyMODINIT_FUNC PyInit_zerokv_launcher(void)
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++)
         if (*names[i].slot == NULL && (*names[i].slot = PyUnicode_InternFromString(names[i].text)) == NULL)
-            return NULL;
-    for (int i = 0; i < TWO_ARGS; i++)
-        if (two_names[i] == NULL && (two_names[i] = PyUnicode_InternFromString(two_text[i])) == NULL)
             return NULL;
     if (unreadable == NULL) {
         unreadable = PyTuple_Pack(5, PyExc_AttributeError, PyExc_TypeError, PyExc_ValueError,

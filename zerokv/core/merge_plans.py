@@ -19,6 +19,7 @@ from . import checks as _checks
 from . import cpu_path as _cpu
 from . import device as _device
 from . import dtypes as _dtypes
+from . import entry_args as _entry
 from . import facts as _facts
 from . import forms as _forms
 from . import kernels as _kernels
@@ -125,13 +126,14 @@ class Plan:
 def two(
     v_a, s_a, v_b, s_b, out, out_lse, lse_base, prefix_rows, a_empty, out_scale, sinks,
     row_mask=None, suffix_verbatim=False, allocate_lse=None, names=None,
-    out_block_scale=None, quant_group=None, scale_format="float32", lse_ht=None,
+    out_block_scale=None, quant_group=None, scale_format="float32", lse_ht=None, *more,
 ) -> tuple[Any, Any]:  # fmt: skip
     """The two-way merge of ``merge.merge_two``'s arguments (``names``: the caller's names of
     the arguments, for messages; ``out_block_scale``, ``quant_group``, ``scale_format``: the
     per-group fp8 output). ``lse_ht``: the LSEs are ``[H, T]`` tensors, read as their
     transposes; a function ``(lse, name) -> [T, H] view`` for the full checks (the adapter's
-    messages)."""
+    messages). ``more``: the spec's options after those written here, in its order
+    (:class:`zerokv.core.entry_args.Layout`)."""
     if a_empty is None:
         cu = lens = None
     elif type(a_empty) is tuple and len(a_empty) == 2:
@@ -145,10 +147,14 @@ def two(
         lse_base, prefix_rows is None, suffix_verbatim, out is None if allocate_lse is None else allocate_lse,
         quant_group, scale_format, lse_ht is not None,
     )  # fmt: skip
+    if more:
+        objs, scalars = LAYOUT.more_args(objs, scalars, more, names)
+    elif _MORE_KEY:  # the options after these left out: their scalars' defaults in the key
+        scalars += _MORE_KEY
     try:  # the bound calls of the signatures met last with these scalars
         r, calls = _plans.recent_call(scalars, objs, (prefix_rows,))
     except TypeError:  # an unhashable lse_base (an array): the full checks name it
-        _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, scalars[4:6])
+        _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, _opts(scalars))
         raise
     if r is not None:
         return r
@@ -160,6 +166,19 @@ def two(
     return r if r is not None else plan.slow(f, prefix_rows, names, scalars, lse_ht)
 
 
+# The entry's arguments: two's parameters, then the spec's options after those it names; its
+# key as two makes it above (the options after them add their scalars); prefix_rows its scalar
+LAYOUT = _entry.Layout(
+    two,
+    (
+        (_entry.K_VALUE, "lse_base", None), (_entry.K_IS_NONE, "prefix_rows", None), (_entry.K_VALUE, "suffix_verbatim", None),
+        (_entry.K_OR_IS_NONE, "allocate_lse", "out"), (_entry.K_VALUE, "quant_group", None),
+        (_entry.K_VALUE, "scale_format", None), (_entry.K_NOT_NONE, "lse_ht", None),
+    ),
+    ("prefix_rows",),
+)  # fmt: skip
+_MORE_KEY = LAYOUT.more_key
+_opts = LAYOUT.option_scalars  # a call's option scalars (the full checks'), from its key
 python_two = two  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
@@ -183,7 +202,7 @@ def _cpu_two(
     objs: tuple, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any
 ) -> tuple[Any, Any]:
     objs = _th_views(objs, lse_ht, names)
-    v = _merge_checks.two(objs, scalars[0], prefix_rows, names, scalars[4:6])
+    v = _merge_checks.two(objs, scalars[0], prefix_rows, names, _opts(scalars))
     host_only(v.device)
     T, H, D = v.sym["T"], v.sym["H"], v.sym["D"]
     t = v.tensors
@@ -218,7 +237,7 @@ class TwoPlan(Plan):
 
     def __init__(self, f: Any, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any) -> None:
         v = _merge_checks.two(
-            _th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6]
+            _th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, _opts(scalars)
         )  # every check, once
         t = v.tensors
         self._setup(v, t["v_a"].dtype, t.get("out"), f.sig[-2], f.torch)
@@ -228,6 +247,7 @@ class TwoPlan(Plan):
         self.consts.a_is64 = int(self.a_empty and t["cu_seqlens_q"].dtype == "int64")
         self.consts.ue8m0 = int(v.scalars["scale_format"] == "ue8m0")
         self.quant_group = v.scalars.get("quant_group") or 0
+        self.option_scalars = {n: v.scalars.get(n) for n in _entry.OPTION_SCALARS}
         self.idx_size = 8 if self.consts.a_is64 else 4
         self.mask_size = 1
         self.allocate_lse = scalars[3]
@@ -236,7 +256,7 @@ class TwoPlan(Plan):
     def slow(self, f: Any, prefix_rows: Any, names: dict | None, scalars: tuple, lse_ht: Any):
         """A call the bound call did not take: the full checks (raising with the caller's
         names), then the exact widths of any layout they accept, then the launch."""
-        _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, scalars[4:6])
+        _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, _opts(scalars))
         f.prefix_rows = f.T if prefix_rows is None else prefix_rows
         f.rows = f.T * f.H
         widest, s32 = exact(_spec.MERGE_STATE, f, self)
@@ -295,7 +315,7 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
     if _binding.family(plan, objs) is None:
         return None
     t = _binding.Table()
-    t.args(_spec.MERGE_STATE, objs, plan, lse_ht, {"quant_group": plan.quant_group})
+    t.args(_spec.MERGE_STATE, objs, plan, lse_ht, plan.option_scalars)
     A = _bound
     T, H, D = t.sym["T"], t.sym["H"], t.sym["D"]
     t.positive("T", "H", "D")

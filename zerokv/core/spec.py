@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from . import dtypes as _dtypes
-from .kernels import QUANT_GROUPS
+
+QUANT_GROUPS = (16, 32, 64, 128)  # values of one group of per-group fp8
 
 
 @dataclass(frozen=True)
@@ -59,10 +60,14 @@ class Option:
     feature: str  # the kernel feature it turns on ("" for none)
     params: tuple[str, ...]  # kernel parameters that are 0 without it
     scalars: tuple[Scalar, ...] = ()  # its scalar arguments
+    derived: tuple[str, ...] = ()  # kernel parameters its plan computes from its scalars and form
     fp8_scale: bool = False  # scales an fp8 output: such an output takes exactly one of these
     excludes: tuple[str, ...] = ()  # options it does not combine with
     no_alias: tuple[str, ...] = ()  # outputs that may alias no input when it is given
     says: str = ""  # what it is, for messages
+    generic: bool = True  # the generic kernel of its op takes it (the last row of the forms)
+    adapter: bool = False  # an engine adapter's option: no public keyword, not in torch.ops' schemas
+    schema_names: tuple[str, ...] = ()  # its arguments' names in torch.ops' schemas (default: theirs)
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,7 @@ _A_EMPTY = Option(
     ),
     "a_empty",
     ("a_cu", "a_lens", "a_batch"),
+    schema_names=("a_cu_seqlens_q", "a_kv_lens"),
 )
 _OUT_SCALE = Option(
     "out_scale", (Arg("out_scale", ("1",), LSE, ("out_scale",), any_shape=True),), "out_scale", ("out_scale",),
@@ -117,6 +123,7 @@ _BLOCK_SCALE = Option(
         ),
         Scalar("scale_format", ("float32", "ue8m0")),
     ),  # fmt: skip
+    ("g_shr", "ue8m0"),
     fp8_scale=True,
     says="per-group fp8 output",
 )
@@ -144,10 +151,13 @@ MERGE_STATE = OpSpec(
             (Arg("row_mask", ("T",), MASK, ("row_mask",), unit_inner=True),),
             "row_mask",
             ("row_mask",),
+            adapter=True,
         ),  # fmt: skip
         _OUT_SCALE,
         _SINKS,
-        replace(_BLOCK_SCALE, excludes=("a_empty", "row_mask", "sinks"), no_alias=("out_lse",)),
+        replace(
+            _BLOCK_SCALE, excludes=("a_empty", "row_mask", "sinks"), no_alias=("out_lse",), generic=False
+        ),
     ),
     (_LSE_BASE, Scalar("prefix_rows", upto="T")),
     ("T", "H"),
