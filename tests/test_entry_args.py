@@ -158,6 +158,11 @@ _SCHEMAS = {
     'Tensor(b!)? out_lse, str lse_base="e", SymInt? prefix_rows=None, Tensor? a_cu_seqlens_q=None, '
     "Tensor? a_kv_lens=None, Tensor? out_scale=None, Tensor? sinks=None, Tensor(c!)? out_block_scale=None, "
     'int? quant_group=None, str scale_format="float32") -> ()',
+    "merge_states": 'zerokv::merge_states(Tensor v, Tensor s, str lse_base="e", Tensor? sinks=None) '
+    "-> (Tensor, Tensor)",
+    "merge_states_out": "zerokv::merge_states_out(Tensor v, Tensor s, Tensor(a!) out, Tensor(b!)? out_lse, "
+    'str lse_base="e", Tensor? out_scale=None, Tensor? sinks=None, Tensor(c!)? out_block_scale=None, '
+    'int? quant_group=None, str scale_format="float32") -> ()',
 }
 
 
@@ -178,6 +183,23 @@ def test_a_schema_takes_an_appended_option_and_passes_it_on():
     with pytest.raises(ValueError, match="a_cu_seqlens_q and a_kv_lens: give both or neither"):
         opts((cu,))
     assert "extra" not in op_schema.Options(LAYOUT, True, fixed).schema
+
+
+def test_merge_states_schemas_take_an_appended_option_by_its_keyword():
+    extra = dataclasses.replace(spec.MERGE_STATES, options=(*spec.MERGE_STATES.options, _EXTRA))
+    for out in (False, True):
+        kw = op_schema.Keywords(extra, out)
+        assert kw.schema.endswith(", Tensor? sinks=None, Tensor? extra=None, str extra_mode='a'") != out
+        assert (
+            kw.schema.endswith(", str scale_format='float32', Tensor? extra=None, str extra_mode='a'") == out
+        )
+        x = object()
+        got = kw((*kw.defaults[:-2], x, "b"))
+        assert got["extra"] is x and got["extra_mode"] == "b" and got["sinks"] is None
+        assert set(got) == set(kw.names) and ("out_scale" in got) == out
+        assert kw((x,)) == {"out_scale" if out else "sinks": x}  # those left at the end: omitted
+    with pytest.raises(ValueError, match="several arguments"):
+        op_schema.Keywords(spec.MERGE_STATE, True)  # a_empty is a pair: the two-way entry's Options
 
 
 def test_every_option_reaches_the_reference_or_the_cpu_paths_writing():

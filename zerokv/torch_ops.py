@@ -11,9 +11,9 @@ so that torch.compile can trace them without running them::
     torch.ops.zerokv.fixup_zero_kv_rows(out, lse, kv_lens, cu_seqlens_q)        -> ()  (in place)
     torch.ops.zerokv.mask_empty_context(out, lse, cu_seqlens_q, cu_seqlens_kv)  -> ()  (in place)
 
-The merges take ``sinks`` (float32 ``[H]`` attention-sink logits); ``merge_state`` and
-``merge_state_out`` take every option of :func:`zerokv.merge_state` but an engine adapter's, by
-its spec (:mod:`zerokv.core.op_schema`): ``a_cu_seqlens_q`` / ``a_kv_lens`` (both or neither:
+The merges take every option of :func:`zerokv.merge_state` / :func:`zerokv.merge_states` but
+an engine adapter's, by their specs (:mod:`zerokv.core.op_schema`): ``sinks`` (float32 ``[H]``
+attention-sink logits), ``a_cu_seqlens_q`` / ``a_kv_lens`` (both or neither:
 the native ``a_empty`` pair), and in the ``_out`` forms fp8 outputs with ``out_scale`` or
 per-group scales (``out_block_scale``, ``quant_group``, ``scale_format``). Importing
 :mod:`zerokv` registers them when torch is installed.
@@ -27,6 +27,7 @@ from . import merge as _merge
 from .core import merge_plans as _merge_plans
 from .core import merge_states_plan as _merge_states_plan
 from .core import op_schema as _op_schema
+from .core import spec as _spec
 from .empty_rows import fixup_zero_kv_rows, mask_empty_context
 
 _lib = torch.library.Library("zerokv", "DEF")
@@ -46,11 +47,13 @@ _lib.define(
     "merge_state_out(Tensor v_a, Tensor s_a, Tensor v_b, Tensor s_b, Tensor(a!) out, Tensor(b!)? out_lse, "
     "str lse_base='e', SymInt? prefix_rows=None" + _OUT_OPTS.schema + ") -> ()"
 )
-_lib.define("merge_states(Tensor v, Tensor s, str lse_base='e', Tensor? sinks=None) -> (Tensor, Tensor)")
+_MS_OPTS = _op_schema.Keywords(_spec.MERGE_STATES, False)
+_MS_OUT_OPTS = _op_schema.Keywords(_spec.MERGE_STATES, True)
+_lib.define("merge_states(Tensor v, Tensor s, str lse_base='e'" + _MS_OPTS.schema + ") -> (Tensor, Tensor)")
 _lib.define(
-    "merge_states_out(Tensor v, Tensor s, Tensor(a!) out, Tensor(b!)? out_lse, str lse_base='e', "
-    "Tensor? out_scale=None, Tensor? sinks=None, Tensor(c!)? out_block_scale=None, int? quant_group=None, "
-    "str scale_format='float32') -> ()"
+    "merge_states_out(Tensor v, Tensor s, Tensor(a!) out, Tensor(b!)? out_lse, str lse_base='e'"
+    + _MS_OUT_OPTS.schema
+    + ") -> ()"
 )
 _lib.define("fixup_zero_kv_rows(Tensor(a!) out, Tensor(b!) lse, Tensor kv_lens, Tensor cu_seqlens_q) -> ()")
 _lib.define(
@@ -91,18 +94,14 @@ def _merge_state_out(v_a, s_a, v_b, s_b, out, out_lse, lse_base="e", prefix_rows
         _merge_plans.two(v_a, s_a, v_b, s_b, out, out_lse, base, prefix_rows, *_OUT_OPTS(opts))
 
 
-def _merge_states(v, s, lse_base="e", sinks=None):
-    return _merge_states_plan.n((v, s, None, None, None, sinks), (_base(lse_base), True))
+def _merge_states(v, s, lse_base="e", *opts):
+    if not opts:
+        return _merge_states_plan.n((v, s, None, None, None, None), (_base(lse_base), True))
+    return _merge.merge_states(v, s, lse_base=_base(lse_base), **_MS_OPTS(opts))
 
 
-def _merge_states_out(
-    v, s, out, out_lse, lse_base="e", out_scale=None, sinks=None, out_block_scale=None, quant_group=None,
-    scale_format="float32",
-):  # fmt: skip
-    _merge.merge_states(
-        v, s, out=out, out_lse=out_lse, lse_base=_base(lse_base), out_scale=out_scale, sinks=sinks,
-        out_block_scale=out_block_scale, quant_group=quant_group, scale_format=scale_format,
-    )  # fmt: skip
+def _merge_states_out(v, s, out, out_lse, lse_base="e", *opts):
+    _merge.merge_states(v, s, out=out, out_lse=out_lse, lse_base=_base(lse_base), **_MS_OUT_OPTS(opts))
 
 
 for _key in ("CPU", "CUDA"):
@@ -121,7 +120,7 @@ def _merge_state_fake(v_a, s_a, v_b, s_b, lse_base="e", prefix_rows=None, *opts)
 
 
 @torch.library.register_fake("zerokv::merge_states", lib=_lib)
-def _merge_states_fake(v, s, lse_base="e", sinks=None):
+def _merge_states_fake(v, s, lse_base="e", *opts):
     return v.new_empty(v.shape[1:]), s.new_empty(s.shape[1:])
 
 
@@ -132,10 +131,7 @@ def _merge_state_out_fake(v_a, s_a, v_b, s_b, out, out_lse, lse_base="e", prefix
 
 
 @torch.library.register_fake("zerokv::merge_states_out", lib=_lib)
-def _merge_states_out_fake(
-    v, s, out, out_lse, lse_base="e", out_scale=None, sinks=None, out_block_scale=None, quant_group=None,
-    scale_format="float32",
-):  # fmt: skip
+def _merge_states_out_fake(v, s, out, out_lse, lse_base="e", *opts):
     return None
 
 
