@@ -755,8 +755,10 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // requests the search reads a shared copy of the offsets where it fits (search_tokens_staged).
 constexpr unsigned A_RUN_SPANS = 4;
 
+// p by value: read through a reference, ptxas spills in the runs with 64-bit offsets under the
+// 32-register bound (bench/NOTES.md)
 template <typename Tin, typename Tout, int VEC, int BLOCK, bool TILE, int FEAT>
-__device__ __forceinline__ void merge_flat_run(const FlatArgs<Tin, Tout, int>& p) {
+__device__ __forceinline__ void merge_flat_run(const FlatArgs<Tin, Tout, int> p) {
   constexpr unsigned K = A_RUN_SPANS;
   constexpr bool A64 = (FEAT & F_A64) != 0;
   constexpr int NTOK = (int)K * BLOCK + 32;  // tokens a long block's rows can reach (K BLOCK + 24 in tiles of 8)
