@@ -85,11 +85,13 @@ template <typename Tin, typename Tout, typename I> struct FlatArgs {
   const float* sb;
   Tout* out;
   float* olse;
-  int rows, H, packs;  // rows = T H
-  unsigned packs_mul;  // fast_div by packs
-  int packs_shr;
-  unsigned H_mul;  // fast_div by H
-  int H_shr;       // (rows, packs_mul, H_mul and H_shr: unused by merge_state_heads_kernel)
+  // rows = T H, and fast_div by packs and by H: unused by merge_state_heads_kernel, and first,
+  // so that the fields it reads keep the 8-byte pairs its own parameter list gave its loads
+  int rows;
+  unsigned packs_mul;
+  unsigned H_mul;
+  int H_shr;
+  int H, packs, packs_shr;
   I sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh;
   int prefix_rows;      // rows t >= prefix_rows take state b alone
   int suffix_verbatim;  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule

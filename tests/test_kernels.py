@@ -191,7 +191,7 @@ def test_the_flat_kernels_take_one_struct(kernel):
     "old, new",
     [
         ("I sa_st, sa_sh,", "I sa_sh, sa_st,"),  # two fields of one declaration, of one C type
-        ("int rows, H, packs;", "int rows, packs, H;"),
+        ("int H, packs, packs_shr;", "int packs, H, packs_shr;"),
         ("const Tin* va;\n  const Tin* vb;", "const Tin* vb;\n  const Tin* va;"),  # two declarations
         ("  int g_shr;", "  int g_shr_moved;"),  # a renamed field
     ],
