@@ -85,12 +85,6 @@ template <typename Tin, typename Tout, typename I> struct FlatArgs {
   const float* sb;
   Tout* out;
   float* olse;
-  // rows = T H, and fast_div by packs and by H: unused by merge_state_heads_kernel, and first,
-  // so that the fields it reads keep the 8-byte pairs its own parameter list gave its loads
-  int rows;
-  unsigned packs_mul;
-  unsigned H_mul;
-  int H_shr;
   int H, packs, packs_shr;
   I sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh;
   int prefix_rows;      // rows t >= prefix_rows take state b alone
@@ -107,6 +101,12 @@ template <typename Tin, typename Tout, typename I> struct FlatArgs {
   I bs_st, bs_sg;
   int g_shr;  // unused: FEAT holds the group's size
   int ue8m0;  // scales rounded up to a power of two
+  // rows = T H, and fast_div by packs and by H: unused by merge_state_heads_kernel, and last, so
+  // that the fields it reads lie where its own parameter list put them
+  int rows;
+  unsigned packs_mul;
+  unsigned H_mul;
+  int H_shr;
 };
 
 // offsets[i] at the offsets' width, clipped or compared in 64 bits where they are 64-bit

@@ -195,11 +195,10 @@ MERGE_STATE_FLAT = Kernel(
     + tuple((ci, co, v, 1, f) for ci, i in _V for v in (1, vec(i)) for co, f in feature_pairs(ci, v)),
     block=128,
     params=_params(
-        "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, u32 packs_mul,"
-        " u32 H_mul, i32 H_shr, i32 H, i32 packs, i32 packs_shr,"
+        "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 H, i32 packs, i32 packs_shr,"
         " i32 sa_st, i32 sa_sh, i32 sb_st, i32 sb_sh, i32 va_st, i32 va_sh, i32 vb_st, i32 vb_sh,"
         " i32 out_st, i32 out_sh, i32 ol_st, i32 ol_sh, i32 prefix_rows, i32 suffix_verbatim,"
-        " f32 k, f32 inv_k, " + _FLAT_OPTIONS,
+        " f32 k, f32 inv_k, " + _FLAT_OPTIONS + ", i32 rows, u32 packs_mul, u32 H_mul, i32 H_shr",
         _spec.MERGE_STATE,
         "i32",
     ),
