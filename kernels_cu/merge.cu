@@ -71,13 +71,13 @@ constexpr int F_A_RUN = 64;     // with F_A_EMPTY, the gathered form: spans in a
 // the group's shuffles and index math are compiled for its size (the g_shr parameter is unused)
 constexpr int F_GROUP_SHIFT = 7;
 
-// The parameters of the flat kernels (merge_state_flat_kernel, merge_state_heads_kernel and the
-// gathered forms), one struct each kernel takes by value and hands its device functions by
-// reference. Its fields are the kernels' parameters by name, C type and order, as
-// zerokv/core/kernels.py describes them (tests/test_kernels.py holds the two together): with
-// the struct the only parameter, at offset 0, each field at its natural alignment, the host
-// packs it as a parameter list. I: the strides' type, int where every offset the kernel forms
-// fits in 32 bits, else i64 (merge_state_flat64_gathered_kernel).
+// The parameters of the flat kernels (merge_state_flat_kernel and the gathered forms), one
+// struct each kernel takes by value and hands its device functions by reference. Its fields are
+// the kernels' parameters by name, C type and order, as zerokv/core/kernels.py describes them
+// (tests/test_kernels.py holds the two together): with the struct the only parameter, at offset
+// 0, each field at its natural alignment, the host packs it as a parameter list. I: the
+// strides' type, int where every offset the kernel forms fits in 32 bits, else i64
+// (merge_state_flat64_gathered_kernel).
 template <typename Tin, typename Tout, typename I> struct FlatArgs {
   const Tin* va;
   const Tin* vb;
@@ -85,7 +85,11 @@ template <typename Tin, typename Tout, typename I> struct FlatArgs {
   const float* sb;
   Tout* out;
   float* olse;
-  int H, packs, packs_shr;
+  int rows, H, packs;  // rows = T H
+  unsigned packs_mul;  // fast_div by packs
+  int packs_shr;
+  unsigned H_mul;  // fast_div by H
+  int H_shr;
   I sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh;
   int prefix_rows;      // rows t >= prefix_rows take state b alone
   int suffix_verbatim;  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
@@ -101,12 +105,34 @@ template <typename Tin, typename Tout, typename I> struct FlatArgs {
   I bs_st, bs_sg;
   int g_shr;  // unused: FEAT holds the group's size
   int ue8m0;  // scales rounded up to a power of two
-  // rows = T H, and fast_div by packs and by H: unused by merge_state_heads_kernel, and last, so
-  // that the fields it reads lie where its own parameter list put them
-  int rows;
-  unsigned packs_mul;
-  unsigned H_mul;
-  int H_shr;
+};
+
+// merge_state_heads_kernel's parameters: FlatArgs's fields but the four its geometry does not
+// need (rows, packs_mul, H_mul, H_shr), in the same order. A struct of its own rather than
+// FlatArgs with fields unread: the fields it reads keep their offsets, and so its speed (at T = 1
+// FlatArgs measured 2% slower: bench/NOTES.md).
+template <typename Tin, typename Tout> struct HeadsArgs {
+  const Tin* va;
+  const Tin* vb;
+  const float* sa;
+  const float* sb;
+  Tout* out;
+  float* olse;
+  int H, packs, packs_shr;  // packs a power of two, packs_shr its log2
+  int sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh;
+  int prefix_rows;
+  int suffix_verbatim;
+  float k, inv_k;
+  const void* a_cu;
+  const void* a_lens;
+  int a_batch;
+  const unsigned char* row_mask;
+  const float* sinks;
+  const float* out_scale;
+  float* bscale;
+  int bs_st, bs_sg;
+  int g_shr;
+  int ue8m0;
 };
 
 // offsets[i] at the offsets' width, clipped or compared in 64 bits where they are 64-bit
@@ -608,10 +634,9 @@ __device__ __forceinline__ bool token_empty(const void* cu, const void* lens, in
 
 // The four loads of pack `pack` of row (t, h), issued before any arithmetic, then the merge and
 // its V store (predicated on live); returns the row's coefficients and output LSE. Offsets in
-// the strides' type I.
-template <typename Tin, typename Tout, int VEC, typename I>
-__device__ __forceinline__ RowCoef merge_pack(const FlatArgs<Tin, Tout, I>& p, bool live, int t32, int h32,
-                                              int pack) {
+// the strides' type I. P: FlatArgs or HeadsArgs.
+template <typename Tin, typename Tout, int VEC, typename I, typename P>
+__device__ __forceinline__ RowCoef merge_pack(const P& p, bool live, int t32, int h32, int pack) {
   const I t = t32, h = h32, d = pack * VEC;
   const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(p.va + (t * p.va_st + h * p.va_sh + d));
   const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(p.vb + (t * p.vb_st + h * p.vb_sh + d));
@@ -629,10 +654,9 @@ __device__ __forceinline__ RowCoef merge_pack(const FlatArgs<Tin, Tout, I>& p, b
 // a kernel load an empty input's V; it is selected away, never used), unless the caller knows
 // before the loads that state a goes unused (load_a false: merge_flat_run). keep: the row is
 // written (row mask). An unused state's V is dropped by a select, never multiplied by zero.
-template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I, typename EmptyOf>
-__device__ __forceinline__ RowCoef merge_pack_opt(const FlatArgs<Tin, Tout, I>& p, bool live, int t32, int h32,
-                                                  int pack, bool& keep, const EmptyOf& empty_of,
-                                                  bool load_a = true) {
+template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I, typename P, typename EmptyOf>
+__device__ __forceinline__ RowCoef merge_pack_opt(const P& p, bool live, int t32, int h32, int pack, bool& keep,
+                                                  const EmptyOf& empty_of, bool load_a = true) {
   constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0;
   const I t = t32, h = h32, d = pack * VEC;
   // the row mask's byte, loaded first: ptxas otherwise issues it after the merge's arithmetic, a
@@ -844,7 +868,7 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel)
 // picks).
 template <typename Tin, typename Tout, int VEC, int FEAT = 0>
 __global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel)
-    merge_state_heads_kernel(const FlatArgs<Tin, Tout, int> p) {
+    merge_state_heads_kernel(const HeadsArgs<Tin, Tout> p) {
   const int i = (int)threadIdx.x;
   const int pack = i & (p.packs - 1);
   const int h0 = (int)blockIdx.x * (ZK_BLOCK_merge_state_heads_kernel >> p.packs_shr) + (i >> p.packs_shr);

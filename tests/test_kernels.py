@@ -163,35 +163,39 @@ def test_a_retyped_parameter_is_caught():
     assert any("T: described as i32" in p for p in mismatches(dataclasses.replace(k, params=params)))
 
 
-# The kernels that take their parameters as the fields of one struct (merge.cu's FlatArgs).
-STRUCT_KERNELS = (
-    _kernels.MERGE_STATE_FLAT,
-    _kernels.MERGE_STATE_HEADS,
-    _kernels.MERGE_STATE_FLAT_GATHERED,
-    _kernels.MERGE_STATE_FLAT64_GATHERED,
-)
+# The kernels that take their parameters as the fields of one struct, and its name (merge.cu).
+STRUCT_KERNELS = {
+    _kernels.MERGE_STATE_FLAT: "FlatArgs",
+    _kernels.MERGE_STATE_HEADS: "HeadsArgs",
+    _kernels.MERGE_STATE_FLAT_GATHERED: "FlatArgs",
+    _kernels.MERGE_STATE_FLAT64_GATHERED: "FlatArgs",
+}
+_FLAT = [k for k, s in STRUCT_KERNELS.items() if s == "FlatArgs"]
 
 
 def _edited(kernel: _kernels.Kernel, old: str, new: str) -> str:
-    """``kernel``'s source with the one occurrence of ``old`` replaced by ``new``."""
+    """``kernel``'s source with the one occurrence of ``old`` in the body of the struct that
+    ``kernel`` takes replaced by ``new``."""
     text = _sources.kernel_source(kernel)
-    assert text.count(old) == 1, old
-    return text.replace(old, new)
+    (m,) = [m for m in _STRUCT.finditer(text) if m["name"] == STRUCT_KERNELS[kernel]]
+    assert m["body"].count(old) == 1, old
+    return text[: m.start("body")] + m["body"].replace(old, new) + text[m.end("body") :]
 
 
 @pytest.mark.parametrize("kernel", _kernels.KERNELS, ids=lambda k: k.name)
 def test_the_flat_kernels_take_one_struct(kernel):
     text = re.sub(r"//[^\n]*", "", _sources.kernel_source(kernel))
     params = {m["name"]: m["params"] for m in _GLOBAL.finditer(text)}[kernel.name]
-    assert (re.fullmatch(r"\s*const FlatArgs<[^>]*> p\s*", params) is not None) == (kernel in STRUCT_KERNELS)
+    m = re.fullmatch(r"\s*const (\w+)<[^>]*> p\s*", params)
+    assert (m and m[1]) == STRUCT_KERNELS.get(kernel)
 
 
 @pytest.mark.parametrize("kernel", STRUCT_KERNELS, ids=lambda k: k.name)
 @pytest.mark.parametrize(
     "old, new",
     [
-        ("I sa_st, sa_sh,", "I sa_sh, sa_st,"),  # two fields of one declaration, of one C type
-        ("int H, packs, packs_shr;", "int packs, H, packs_shr;"),
+        ("sa_st, sa_sh,", "sa_sh, sa_st,"),  # two fields of one declaration, of one C type
+        ("H, packs", "packs, H"),
         ("const Tin* va;\n  const Tin* vb;", "const Tin* vb;\n  const Tin* va;"),  # two declarations
         ("  int g_shr;", "  int g_shr_moved;"),  # a renamed field
     ],
@@ -200,7 +204,17 @@ def test_a_swapped_or_renamed_struct_field_is_caught(kernel, old, new):
     assert mismatches(kernel, _edited(kernel, old, new))
 
 
-@pytest.mark.parametrize("kernel", STRUCT_KERNELS, ids=lambda k: k.name)
+def test_the_heads_kernel_struct_is_its_own():
+    """An edit of FlatArgs leaves merge_state_heads_kernel's description matched, one of
+    HeadsArgs the flat kernel's: each kernel is held against the struct it takes."""
+    heads, flat = _kernels.MERGE_STATE_HEADS, _kernels.MERGE_STATE_FLAT
+    assert mismatches(flat, _edited(flat, "sa_st, sa_sh,", "sa_sh, sa_st,"))
+    assert not mismatches(heads, _edited(flat, "sa_st, sa_sh,", "sa_sh, sa_st,"))
+    assert mismatches(heads, _edited(heads, "sa_st, sa_sh,", "sa_sh, sa_st,"))
+    assert not mismatches(flat, _edited(heads, "sa_st, sa_sh,", "sa_sh, sa_st,"))
+
+
+@pytest.mark.parametrize("kernel", _FLAT, ids=lambda k: k.name)
 def test_a_retyped_struct_field_is_caught(kernel):
     edited = _edited(kernel, "unsigned packs_mul;", "int packs_mul;")
     assert mismatches(kernel, edited) == ["packs_mul: described as u32, C type is i32"]
@@ -214,13 +228,18 @@ def test_a_retyped_struct_field_is_caught(kernel):
     assert mismatches(dataclasses.replace(kernel, params=described)) == (retyped if wide else [])
 
 
+def test_a_retyped_heads_struct_field_is_caught():
+    k = _kernels.MERGE_STATE_HEADS
+    edited = _edited(k, "int H, packs, packs_shr;", "int H, packs;\n  unsigned packs_shr;")
+    assert mismatches(k, edited) == ["packs_shr: described as i32, C type is u32"]
+
+
 def test_a_struct_beside_other_parameters_is_refused():
     k = _kernels.MERGE_STATE_FLAT
-    text = _edited(
-        k,
-        "merge_state_flat_kernel(const FlatArgs<Tin, Tout, int> p)",
-        "merge_state_flat_kernel(const FlatArgs<Tin, Tout, int> p, int n)",
-    )
+    old = "merge_state_flat_kernel(const FlatArgs<Tin, Tout, int> p)"
+    text = _sources.kernel_source(k)
+    assert text.count(old) == 1
+    text = text.replace(old, old[:-1] + ", int n)")
     with pytest.raises(AssertionError, match="must be the only one"):
         c_signature(k, text)
 

@@ -181,9 +181,9 @@ def feature_pairs(ci: str, vec: int, runs: bool = False) -> list[tuple[str, int]
 _FLAT_OPTIONS = "@a_empty, @row_mask, @sinks, @out_scale, @out_block_scale"
 
 # The common call in its smallest form: one thread per pack, 32-bit parameters (kernels_cu/merge.cu).
-# The flat kernels take their parameters as the fields of one struct (merge.cu's FlatArgs): these
-# descriptions are its fields by name, type and order, and the packing by natural alignment is
-# the struct's layout.
+# The flat kernels take their parameters as the fields of one struct (merge.cu's FlatArgs; the
+# heads kernel's HeadsArgs): these descriptions are its fields by name, type and order, and the
+# packing by natural alignment is the struct's layout.
 MERGE_STATE_FLAT = Kernel(
     stem="merge",
     name="merge_state_flat_kernel",
@@ -195,10 +195,11 @@ MERGE_STATE_FLAT = Kernel(
     + tuple((ci, co, v, 1, f) for ci, i in _V for v in (1, vec(i)) for co, f in feature_pairs(ci, v)),
     block=128,
     params=_params(
-        "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 H, i32 packs, i32 packs_shr,"
+        "ptr va, ptr vb, ptr sa, ptr sb, ptr out, ptr olse, i32 rows, i32 H, i32 packs,"
+        " u32 packs_mul, i32 packs_shr, u32 H_mul, i32 H_shr,"
         " i32 sa_st, i32 sa_sh, i32 sb_st, i32 sb_sh, i32 va_st, i32 va_sh, i32 vb_st, i32 vb_sh,"
         " i32 out_st, i32 out_sh, i32 ol_st, i32 ol_sh, i32 prefix_rows, i32 suffix_verbatim,"
-        " f32 k, f32 inv_k, " + _FLAT_OPTIONS + ", i32 rows, u32 packs_mul, u32 H_mul, i32 H_shr",
+        " f32 k, f32 inv_k, " + _FLAT_OPTIONS,
         _spec.MERGE_STATE,
         "i32",
     ),
@@ -224,7 +225,9 @@ MERGE_STATE_HEADS = Kernel(
         for co, f in feature_pairs(ci, v)
     ),
     block=128,
-    params=MERGE_STATE_FLAT.params,  # rows, packs_mul, H_mul and H_shr unused
+    params=tuple(
+        (n, c) for n, c in MERGE_STATE_FLAT.params if n not in ("rows", "packs_mul", "H_mul", "H_shr")
+    ),
 )
 
 # The many-waves form of the flat kernel (merge.py picks it by the call's threads): blocks of
