@@ -59,7 +59,7 @@ __device__ __forceinline__ float apply_sink(float& lse, float sink, float k, flo
 
 // Options as compile-time features of the tuned forms (merge_flat, merge_state_heads_kernel):
 // FEAT is a bitmask, 0 for the plain call, which compiles without any option's code. Each
-// feature's pointers and sizes are the kernels' last parameters (unused without the feature).
+// feature's pointers and sizes are the last fields of FlatArgs (unused without the feature).
 constexpr int F_A_EMPTY = 1;    // a_empty: rows of requests with kv_lens 0 take state b alone
 constexpr int F_A64 = 2;        // ... its offsets int64 (else int32)
 constexpr int F_SINKS = 4;      // attention sinks [H]
@@ -71,8 +71,31 @@ constexpr int F_A_RUN = 64;     // with F_A_EMPTY, the gathered form: spans in a
 // the group's shuffles and index math are compiled for its size (the g_shr parameter is unused)
 constexpr int F_GROUP_SHIFT = 7;
 
-template <typename I> struct Opts {
-  const void* a_cu;  // [a_batch + 1] cu_seqlens_q
+// The parameters of the flat kernels (merge_state_flat_kernel and the gathered forms), one
+// struct each kernel takes by value and hands its device functions by reference. Its fields are
+// the kernels' parameters by name, C type and order, as zerokv/core/kernels.py describes them
+// (tests/test_kernels.py holds the two together): with the struct the only parameter, at offset
+// 0, each field at its natural alignment, the host packs it as a parameter list. I: the
+// strides' type, int where every offset the kernel forms fits in 32 bits, else i64
+// (merge_state_flat64_gathered_kernel).
+template <typename Tin, typename Tout, typename I> struct FlatArgs {
+  const Tin* va;
+  const Tin* vb;
+  const float* sa;
+  const float* sb;
+  Tout* out;
+  float* olse;
+  int rows, H, packs;  // rows = T H
+  unsigned packs_mul;  // fast_div by packs
+  int packs_shr;
+  unsigned H_mul;  // fast_div by H
+  int H_shr;
+  I sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh;
+  int prefix_rows;      // rows t >= prefix_rows take state b alone
+  int suffix_verbatim;  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
+  float k, inv_k;       // log2 of the LSE's base, and its inverse
+  // the options (FEAT), unused without their feature
+  const void* a_cu;    // [a_batch + 1] cu_seqlens_q
   const void* a_lens;  // [a_batch] kv_lens
   int a_batch;
   const unsigned char* row_mask;  // [T]
@@ -80,8 +103,36 @@ template <typename I> struct Opts {
   const float* out_scale;         // one float
   float* bscale;                  // per-group scales: bscale[t bs_st + (h groups + group) bs_sg]
   I bs_st, bs_sg;
-  int g_shr;                      // log2 of the packs of one group (merge_states; FEAT in the flat forms)
-  int ue8m0;                      // scales rounded up to a power of two
+  int g_shr;  // unused: FEAT holds the group's size
+  int ue8m0;  // scales rounded up to a power of two
+};
+
+// merge_state_heads_kernel's parameters: FlatArgs's fields but the four its geometry does not
+// need (rows, packs_mul, H_mul, H_shr), in the same order. A struct of its own rather than
+// FlatArgs with fields unread: the fields it reads keep their offsets, and so its speed (at T = 1
+// FlatArgs measured 2% slower: bench/NOTES.md).
+template <typename Tin, typename Tout> struct HeadsArgs {
+  const Tin* va;
+  const Tin* vb;
+  const float* sa;
+  const float* sb;
+  Tout* out;
+  float* olse;
+  int H, packs, packs_shr;  // packs a power of two, packs_shr its log2
+  int sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh;
+  int prefix_rows;
+  int suffix_verbatim;
+  float k, inv_k;
+  const void* a_cu;
+  const void* a_lens;
+  int a_batch;
+  const unsigned char* row_mask;
+  const float* sinks;
+  const float* out_scale;
+  float* bscale;
+  int bs_st, bs_sg;
+  int g_shr;
+  int ue8m0;
 };
 
 // offsets[i] at the offsets' width, clipped or compared in 64 bits where they are 64-bit
@@ -581,22 +632,19 @@ __device__ __forceinline__ bool token_empty(const void* cu, const void* lens, in
   return searched_token<A64>(s_empty, cu, lens, B, T, t_lo, ntok, t);
 }
 
-// The four loads of pack d / VEC of row (t, h), issued before any arithmetic, then the merge and
+// The four loads of pack `pack` of row (t, h), issued before any arithmetic, then the merge and
 // its V store (predicated on live); returns the row's coefficients and output LSE. Offsets in
-// the strides' type I.
-template <typename Tin, typename Tout, int VEC, typename I>
-__device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d32, const Tin* va, const Tin* vb,
-                                              const float* sa, const float* sb, Tout* out, I sa_st, I sa_sh,
-                                              I sb_st, I sb_sh, I va_st, I va_sh, I vb_st, I vb_sh, I out_st,
-                                              I out_sh, int prefix_rows, int suffix_verbatim, float k,
-                                              float inv_k) {
-  const I t = t32, h = h32, d = d32;
-  const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
-  const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
-  const float la = __ldg(sa + (t * sa_st + h * sa_sh));
-  const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
-  const RowCoef c = flat_row_coef(t32, la, lb, prefix_rows, suffix_verbatim, k, inv_k);
-  store_pack_if<Tout, VEC>(live, out + (t * out_st + h * out_sh + d), merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
+// the strides' type I. P: FlatArgs or HeadsArgs.
+template <typename Tin, typename Tout, int VEC, typename I, typename P>
+__device__ __forceinline__ RowCoef merge_pack(const P& p, bool live, int t32, int h32, int pack) {
+  const I t = t32, h = h32, d = pack * VEC;
+  const Pack<Tin, VEC> a = load_pack<Tin, VEC, true>(p.va + (t * p.va_st + h * p.va_sh + d));
+  const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(p.vb + (t * p.vb_st + h * p.vb_sh + d));
+  const float la = __ldg(p.sa + (t * p.sa_st + h * p.sa_sh));
+  const float lb = __ldg(p.sb + (t * p.sb_st + h * p.sb_sh));
+  const RowCoef c = flat_row_coef(t32, la, lb, p.prefix_rows, p.suffix_verbatim, p.k, p.inv_k);
+  store_pack_if<Tout, VEC>(live, p.out + (t * p.out_st + h * p.out_sh + d),
+                           merged<Tin, Tout, VEC>(a, b, c.ca, c.cb, 1.f));
   return c;
 }
 
@@ -606,57 +654,53 @@ __device__ __forceinline__ RowCoef merge_pack(bool live, int t32, int h32, int d
 // a kernel load an empty input's V; it is selected away, never used), unless the caller knows
 // before the loads that state a goes unused (load_a false: merge_flat_run). keep: the row is
 // written (row mask). An unused state's V is dropped by a select, never multiplied by zero.
-template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I, typename EmptyOf>
-__device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, int p, int packs,
-                                                  const Tin* va, const Tin* vb, const float* sa, const float* sb,
-                                                  Tout* out, I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh,
-                                                  I vb_st, I vb_sh, I out_st, I out_sh, int prefix_rows,
-                                                  int suffix_verbatim, float k, float inv_k, const Opts<I>& o,
-                                                  bool& keep, const EmptyOf& empty_of, bool load_a = true) {
+template <typename Tin, typename Tout, int VEC, int FEAT, int BLOCK, typename I, typename P, typename EmptyOf>
+__device__ __forceinline__ RowCoef merge_pack_opt(const P& p, bool live, int t32, int h32, int pack, bool& keep,
+                                                  const EmptyOf& empty_of, bool load_a = true) {
   constexpr bool A_EMPTY = (FEAT & F_A_EMPTY) != 0;
-  const I t = t32, h = h32, d = p * VEC;
+  const I t = t32, h = h32, d = pack * VEC;
   // the row mask's byte, loaded first: ptxas otherwise issues it after the merge's arithmetic, a
   // second round trip before the store
   unsigned mask = 1u;
   if constexpr ((FEAT & F_ROW_MASK) != 0)
-    asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(mask) : "l"(o.row_mask + t32));
+    asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(mask) : "l"(p.row_mask + t32));
   Pack<Tin, VEC> a;
-  const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(vb + (t * vb_st + h * vb_sh + d));
-  if (load_a) a = load_pack<Tin, VEC, true>(va + (t * va_st + h * va_sh + d));
+  const Pack<Tin, VEC> b = load_pack<Tin, VEC, true>(p.vb + (t * p.vb_st + h * p.vb_sh + d));
+  if (load_a) a = load_pack<Tin, VEC, true>(p.va + (t * p.va_st + h * p.va_sh + d));
   else a = Pack<Tin, VEC>{};  // selected away below: the bits do not matter
-  const float la = __ldg(sa + (t * sa_st + h * sa_sh));
-  const float lb = __ldg(sb + (t * sb_st + h * sb_sh));
+  const float la = __ldg(p.sa + (t * p.sa_st + h * p.sa_sh));
+  const float lb = __ldg(p.sb + (t * p.sb_st + h * p.sb_sh));
   float sink = 0.f;
-  if constexpr ((FEAT & F_SINKS) != 0) sink = __ldg(o.sinks + h32);
+  if constexpr ((FEAT & F_SINKS) != 0) sink = __ldg(p.sinks + h32);
   keep = live;
   if constexpr ((FEAT & F_ROW_MASK) != 0) keep = live && mask != 0u;
-  bool use_a = t32 < prefix_rows;
+  bool use_a = t32 < p.prefix_rows;
   if constexpr (A_EMPTY) use_a = !empty_of(t32) && use_a;
-  RowCoef c = combine2<true>(use_a ? la : neg_inf(), lb, k, inv_k);
+  RowCoef c = combine2<true>(use_a ? la : neg_inf(), lb, p.k, p.inv_k);
   if constexpr ((FEAT & F_SINKS) != 0) {
-    const float f = apply_sink(c.lse, sink, k, inv_k);
+    const float f = apply_sink(c.lse, sink, p.k, p.inv_k);
     c.ca *= f;
     c.cb *= f;
   }
-  const bool verbatim = t32 >= prefix_rows && suffix_verbatim;
+  const bool verbatim = t32 >= p.prefix_rows && p.suffix_verbatim;
   c.ca = verbatim ? 0.f : c.ca;
   c.cb = verbatim ? 1.f : c.cb;
   c.lse = verbatim ? lb : c.lse;
   float acc[VEC];
   merged_floats<Tin, VEC>(a, b, c.ca, c.cb, acc);
-  Tout* po = out + (t * out_st + h * out_sh + d);
+  Tout* po = p.out + (t * p.out_st + h * p.out_sh + d);
   if constexpr ((FEAT & F_GROUP_FP8) != 0) {
     constexpr int G_SHR = (FEAT >> F_GROUP_SHIFT) & 7;
-    const float scale = group_scale<VEC, BLOCK, G_SHR>(acc, o.ue8m0);
+    const float scale = group_scale<VEC, BLOCK, G_SHR>(acc, p.ue8m0);
     divide_rn<VEC>(acc, scale);
     store_pack_if<Tout, VEC>(keep, po, convert_pack<Tout, VEC>(acc, 1.f));
-    // the group's number in its token: (h packs + p) >> G_SHR, packs a multiple of the group's
-    // (h packs + p < 2^31: the host keeps every thread index 32-bit)
-    const I at = t * o.bs_st + (I)((h32 * packs + p) >> G_SHR) * o.bs_sg;
-    store_float_if(keep && (p & ((1 << G_SHR) - 1)) == 0, o.bscale, (i64)at, scale);
+    // the group's number in its token: (h packs + pack) >> G_SHR, packs a multiple of the group's
+    // (h packs + pack < 2^31: the host keeps every thread index 32-bit)
+    const I at = t * p.bs_st + (I)((h32 * p.packs + pack) >> G_SHR) * p.bs_sg;
+    store_float_if(keep && (pack & ((1 << G_SHR) - 1)) == 0, p.bscale, (i64)at, scale);
   } else {
     float inv_scale = 1.f;
-    if constexpr ((FEAT & F_OUT_SCALE) != 0) inv_scale = 1.f / __ldg(o.out_scale);
+    if constexpr ((FEAT & F_OUT_SCALE) != 0) inv_scale = 1.f / __ldg(p.out_scale);
     store_pack_if<Tout, VEC>(keep, po, convert_pack<Tout, VEC>(acc, inv_scale));
   }
   return c;
@@ -685,47 +729,39 @@ __device__ __forceinline__ RowCoef merge_pack_opt(bool live, int t32, int h32, i
 // need every thread of the warp), so SMALL does not matter.
 template <typename Tin, typename Tout, int VEC, int SMALL, int BLOCK, typename I, bool GATHER = false,
           bool TILE = false, int FEAT = 0>
-__device__ __forceinline__ void merge_flat(
-    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
-    int rows, int H, int packs, unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
-    I sa_st, I sa_sh, I sb_st, I sb_sh, I va_st, I va_sh, I vb_st, I vb_sh,
-    I out_st, I out_sh, I ol_st, I ol_sh, int prefix_rows, int suffix_verbatim, float k, float inv_k,
-    const Opts<I>& o = Opts<I>{}) {
+__device__ __forceinline__ void merge_flat(const FlatArgs<Tin, Tout, I>& p) {
   static_assert(!GATHER || SMALL, "the gathered form's barrier needs every thread");
   const unsigned i = blockIdx.x * (unsigned)BLOCK + threadIdx.x;
-  const unsigned row0 = fast_div(i, packs_mul, packs_shr);
-  const bool live = row0 < (unsigned)rows;
+  const unsigned row0 = fast_div(i, p.packs_mul, p.packs_shr);
+  const bool live = row0 < (unsigned)p.rows;
   if (!SMALL && FEAT == 0 && !live) return;
   const unsigned row = live ? row0 : 0u;
-  const int p = live ? (int)(i - row0 * (unsigned)packs) : 0;
+  const int pack = live ? (int)(i - row0 * (unsigned)p.packs) : 0;
   unsigned tiled_rows = 0;  // rows in tiles of 8 tokens: H (T & ~7), the same for every thread
-  if constexpr (TILE) tiled_rows = (fast_div((unsigned)rows, H_mul, H_shr) & ~7u) * (unsigned)H;
+  if constexpr (TILE) tiled_rows = (fast_div((unsigned)p.rows, p.H_mul, p.H_shr) & ~7u) * (unsigned)p.H;
   int h32;
-  const int t32 = flat_token<TILE>(row, H, H_mul, H_shr, tiled_rows, h32);
+  const int t32 = flat_token<TILE>(row, p.H, p.H_mul, p.H_shr, tiled_rows, h32);
   RowCoef c;
   bool keep = live;
   if constexpr (FEAT == 0) {
-    c = merge_pack<Tin, Tout, VEC, I>(live, t32, h32, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh,
-                                      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k,
-                                      inv_k);
+    c = merge_pack<Tin, Tout, VEC, I>(p, live, t32, h32, pack);
   } else {
-    const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
+    const int T = (int)fast_div((unsigned)p.rows, p.H_mul, p.H_shr);
     const auto empty_of = [&](int t) {
-      return token_empty<(FEAT & F_A64) != 0, BLOCK, TILE>(
-          o.a_cu, o.a_lens, o.a_batch, T, t, rows, packs, packs_mul, packs_shr, H, H_mul, H_shr, tiled_rows);
+      return token_empty<(FEAT & F_A64) != 0, BLOCK, TILE>(p.a_cu, p.a_lens, p.a_batch, T, t, p.rows, p.packs,
+                                                            p.packs_mul, p.packs_shr, p.H, p.H_mul, p.H_shr,
+                                                            tiled_rows);
     };
-    c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, I>(
-        live, t32, h32, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
-        out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep, empty_of);
+    c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, I>(p, live, t32, h32, pack, keep, empty_of);
   }
   const I t = t32, h = h32;
   if constexpr (GATHER) {
-    if (olse != nullptr)  // the same for the whole block
-      store_lse_gathered<BLOCK, TILE, I, (FEAT & F_ROW_MASK) != 0>(olse, live && p == 0, row, c.lse, rows, packs,
-                                                                   packs_mul, packs_shr, H, H_mul, H_shr,
-                                                                   tiled_rows, ol_st, ol_sh, keep);
+    if (p.olse != nullptr)  // the same for the whole block
+      store_lse_gathered<BLOCK, TILE, I, (FEAT & F_ROW_MASK) != 0>(
+          p.olse, live && pack == 0, row, c.lse, p.rows, p.packs, p.packs_mul, p.packs_shr, p.H, p.H_mul, p.H_shr,
+          tiled_rows, p.ol_st, p.ol_sh, keep);
   } else {
-    store_float_if(keep && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
+    store_float_if(keep && pack == 0 && p.olse != nullptr, p.olse, t * p.ol_st + h * p.ol_sh, c.lse);
   }
 }
 
@@ -745,30 +781,27 @@ __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefe
 // requests the search reads a shared copy of the offsets where it fits (search_tokens_staged).
 constexpr unsigned A_RUN_SPANS = 4;
 
+// p by value: read through a reference, ptxas spills in the runs with 64-bit offsets under the
+// 32-register bound (bench/NOTES.md)
 template <typename Tin, typename Tout, int VEC, int BLOCK, bool TILE, int FEAT>
-__device__ __forceinline__ void merge_flat_run(
-    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
-    int rows, int H, int packs, unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
-    int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
-    int out_st, int out_sh, int ol_st, int ol_sh, int prefix_rows, int suffix_verbatim, float k, float inv_k,
-    const Opts<int>& o) {
+__device__ __forceinline__ void merge_flat_run(const FlatArgs<Tin, Tout, int> p) {
   constexpr unsigned K = A_RUN_SPANS;
   constexpr bool A64 = (FEAT & F_A64) != 0;
   constexpr int NTOK = (int)K * BLOCK + 32;  // tokens a long block's rows can reach (K BLOCK + 24 in tiles of 8)
   __shared__ __align__(16) unsigned char s_empty[NTOK];  // the answers (and the staged offsets)
-  const unsigned total = (unsigned)rows * (unsigned)packs, S = (total + (unsigned)BLOCK - 1u) / (unsigned)BLOCK;
+  const unsigned total = (unsigned)p.rows * (unsigned)p.packs, S = (total + (unsigned)BLOCK - 1u) / (unsigned)BLOCK;
   const unsigned G = gridDim.x, b = blockIdx.x;
   const unsigned L = S > G ? min(G, (S - G + K - 2u) / (K - 1u)) : 0u;
   const unsigned spans = b < L ? K : 1u, first = b < L ? b * K : L * K + (b - L);
-  const int T = (int)fast_div((unsigned)rows, H_mul, H_shr);
+  const int T = (int)fast_div((unsigned)p.rows, p.H_mul, p.H_shr);
   unsigned tiled_rows = 0;  // rows in tiles of 8 tokens (flat_token)
-  if constexpr (TILE) tiled_rows = ((unsigned)T & ~7u) * (unsigned)H;
+  if constexpr (TILE) tiled_rows = ((unsigned)T & ~7u) * (unsigned)p.H;
   // the block's tokens (block_tokens's lines, written again: through it this form's SASS changed)
-  const unsigned r0 = fast_div(first * (unsigned)BLOCK, packs_mul, packs_shr);
-  const unsigned r1 = fast_div(min((first + spans) * (unsigned)BLOCK, total) - 1u, packs_mul, packs_shr);
+  const unsigned r0 = fast_div(first * (unsigned)BLOCK, p.packs_mul, p.packs_shr);
+  const unsigned r1 = fast_div(min((first + spans) * (unsigned)BLOCK, total) - 1u, p.packs_mul, p.packs_shr);
   int h_any;
-  int t_lo = flat_token<TILE>(r0, H, H_mul, H_shr, tiled_rows, h_any);
-  int t_hi = flat_token<TILE>(r1, H, H_mul, H_shr, tiled_rows, h_any);
+  int t_lo = flat_token<TILE>(r0, p.H, p.H_mul, p.H_shr, tiled_rows, h_any);
+  int t_hi = flat_token<TILE>(r1, p.H, p.H_mul, p.H_shr, tiled_rows, h_any);
   if constexpr (TILE) {
     if (r0 < tiled_rows) t_lo &= ~7;
     if (r1 < tiled_rows) t_hi |= 7;
@@ -777,66 +810,51 @@ __device__ __forceinline__ void merge_flat_run(
   // the thread's row of span j (past the last row: row 0, nothing stored), its pack and token:
   // merge_flat's lines, written again (the plain form's early return sits between them there,
   // and a shared helper changed that form's SASS)
-  const auto span_row = [&](unsigned j, bool& live, int& p, int& h) {
+  const auto span_row = [&](unsigned j, bool& live, int& pack, int& h) {
     const unsigned i = (first + j) * (unsigned)BLOCK + threadIdx.x;
-    const unsigned row0 = fast_div(i, packs_mul, packs_shr);
-    live = row0 < (unsigned)rows;
-    p = live ? (int)(i - row0 * (unsigned)packs) : 0;
-    return flat_token<TILE>(live ? row0 : 0u, H, H_mul, H_shr, tiled_rows, h);
+    const unsigned row0 = fast_div(i, p.packs_mul, p.packs_shr);
+    live = row0 < (unsigned)p.rows;
+    pack = live ? (int)(i - row0 * (unsigned)p.packs) : 0;
+    return flat_token<TILE>(live ? row0 : 0u, p.H, p.H_mul, p.H_shr, tiled_rows, h);
   };
   // span 0's, found before the search: after its barrier only the loads are left on the path
   // (the index math after the barrier was the small grids' cost)
   bool live0;
-  int p0, h0;
-  const int t0 = span_row(0u, live0, p0, h0);
+  int pack0, h0;
+  const int t0 = span_row(0u, live0, pack0, h0);
   // span 0's v_b and LSEs on their way to L2 while the block searches: a prefetch holds no
   // register, so the search still needs no spill (the first wave otherwise waits with nothing in
   // flight)
   if (live0) {
-    prefetch_l2(vb + (t0 * vb_st + h0 * vb_sh + p0 * VEC));
-    if (p0 == 0) {
-      prefetch_l2(sa + (t0 * sa_st + h0 * sa_sh));
-      prefetch_l2(sb + (t0 * sb_st + h0 * sb_sh));
+    prefetch_l2(p.vb + (t0 * p.vb_st + h0 * p.vb_sh + pack0 * VEC));
+    if (pack0 == 0) {
+      prefetch_l2(p.sa + (t0 * p.sa_st + h0 * p.sa_sh));
+      prefetch_l2(p.sb + (t0 * p.sb_st + h0 * p.sb_sh));
     }
   }
-  if (!staged_fits<A64, NTOK>(o.a_batch, ntok))
-    search_tokens<A64, BLOCK>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, a_windowed(o.a_batch));
+  if (!staged_fits<A64, NTOK>(p.a_batch, ntok))
+    search_tokens<A64, BLOCK>(s_empty, p.a_cu, p.a_lens, p.a_batch, T, t_lo, ntok, a_windowed(p.a_batch));
   else
-    search_tokens_staged<A64, BLOCK>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok);
+    search_tokens_staged<A64, BLOCK>(s_empty, p.a_cu, p.a_lens, p.a_batch, T, t_lo, ntok);
   for (unsigned j = 0; j < spans; ++j) {
     bool live = live0;
-    int p = p0, t32 = t0, h32 = h0;
-    if (j > 0) t32 = span_row(j, live, p, h32);
-    const bool empty = searched_token<A64>(s_empty, o.a_cu, o.a_lens, o.a_batch, T, t_lo, ntok, t32);
+    int pack = pack0, t32 = t0, h32 = h0;
+    if (j > 0) t32 = span_row(j, live, pack, h32);
+    const bool empty = searched_token<A64>(s_empty, p.a_cu, p.a_lens, p.a_batch, T, t_lo, ntok, t32);
     bool keep = live;
     const RowCoef c = merge_pack_opt<Tin, Tout, VEC, FEAT, BLOCK, int>(
-        live, t32, h32, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st, vb_sh,
-        out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k, o, keep, [&](int) { return empty; },
-        !(empty || t32 >= prefix_rows));
-    store_float_if(keep && p == 0 && olse != nullptr, olse, t32 * ol_st + h32 * ol_sh, c.lse);
+        p, live, t32, h32, pack, keep, [&](int) { return empty; }, !(empty || t32 >= p.prefix_rows));
+    store_float_if(keep && pack == 0 && p.olse != nullptr, p.olse, t32 * p.ol_st + h32 * p.ol_sh, c.lse);
   }
 }
 
-// The entry points of merge_flat, one per block size and index width. Each spells its
-// parameters out: tests/test_kernels.py holds the descriptions in zerokv/core/kernels.py against
-// this text.
+// The entry points of merge_flat, one per block size and index width: each takes its parameters
+// as one FlatArgs (tests/test_kernels.py holds the descriptions in zerokv/core/kernels.py
+// against its fields).
 template <typename Tin, typename Tout, int VEC, int SMALL, int FEAT = 0>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_flat_kernel(
-    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
-    int rows, int H, int packs,
-    unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,  // fast_div by packs and by H
-    int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
-    int out_st, int out_sh, int ol_st, int ol_sh,
-    int prefix_rows,      // rows t >= prefix_rows take state b alone
-    int suffix_verbatim,  // past prefix_rows: copy b verbatim (vLLM) instead of the empty rule
-    float k, float inv_k,
-    const void* a_cu, const void* a_lens, int a_batch,  // options (FEAT): a_empty's offsets
-    const unsigned char* row_mask, const float* sinks, const float* out_scale,
-    float* bscale, int bs_st, int bs_sg, int g_shr, int ue8m0) {  // per-group fp8 scales
-  merge_flat<Tin, Tout, VEC, SMALL, ZK_BLOCK_merge_state_flat_kernel, int, false, false, FEAT>(
-      va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
-      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k,
-      Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0});
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel)
+    merge_state_flat_kernel(const FlatArgs<Tin, Tout, int> p) {
+  merge_flat<Tin, Tout, VEC, SMALL, ZK_BLOCK_merge_state_flat_kernel, int, false, false, FEAT>(p);
 }
 
 // The smallest calls (a few thousand packs: the launch and one round trip to memory): grid
@@ -849,60 +867,37 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_kernel) merge_state_
 // loads head 0 and stores nothing. 16-bit inputs may come in packs of 8 bytes (VEC 4; merge.py
 // picks).
 template <typename Tin, typename Tout, int VEC, int FEAT = 0>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel) merge_state_heads_kernel(
-    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
-    int H, int packs, int packs_shr,
-    int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
-    int out_st, int out_sh, int ol_st, int ol_sh,
-    int prefix_rows, int suffix_verbatim, float k, float inv_k,
-    const void* a_cu, const void* a_lens, int a_batch,  // options (FEAT): a_empty's offsets
-    const unsigned char* row_mask, const float* sinks, const float* out_scale,
-    float* bscale, int bs_st, int bs_sg, int g_shr, int ue8m0) {  // per-group fp8 scales
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_heads_kernel)
+    merge_state_heads_kernel(const HeadsArgs<Tin, Tout> p) {
   const int i = (int)threadIdx.x;
-  const int p = i & (packs - 1);
-  const int h0 = (int)blockIdx.x * (ZK_BLOCK_merge_state_heads_kernel >> packs_shr) + (i >> packs_shr);
-  const bool live = h0 < H;
+  const int pack = i & (p.packs - 1);
+  const int h0 = (int)blockIdx.x * (ZK_BLOCK_merge_state_heads_kernel >> p.packs_shr) + (i >> p.packs_shr);
+  const bool live = h0 < p.H;
   const int t = (int)blockIdx.y, h = live ? h0 : 0;
   RowCoef c;
   bool keep = live;
   if constexpr (FEAT == 0) {
-    c = merge_pack<Tin, Tout, VEC, int>(live, t, h, p * VEC, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st,
-                                        va_sh, vb_st, vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k);
+    c = merge_pack<Tin, Tout, VEC, int>(p, live, t, h, pack);
   } else {
     c = merge_pack_opt<Tin, Tout, VEC, FEAT, ZK_BLOCK_merge_state_heads_kernel, int>(
-        live, t, h, p, packs, va, vb, sa, sb, out, sa_st, sa_sh, sb_st, sb_sh, va_st, va_sh, vb_st,
-        vb_sh, out_st, out_sh, prefix_rows, suffix_verbatim, k, inv_k,
-        Opts<int>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0}, keep,
-        [&](int tok) {
-          return a_empty_of<(FEAT & F_A64) != 0>(a_cu, a_lens, a_batch, (int)gridDim.y, tok, a_windowed(a_batch));
+        p, live, t, h, pack, keep, [&](int tok) {
+          return a_empty_of<(FEAT & F_A64) != 0>(p.a_cu, p.a_lens, p.a_batch, (int)gridDim.y, tok,
+                                                 a_windowed(p.a_batch));
         });
   }
-  store_float_if(keep && p == 0 && olse != nullptr, olse, t * ol_st + h * ol_sh, c.lse);
+  store_float_if(keep && pack == 0 && p.olse != nullptr, p.olse, t * p.ol_st + h * p.ol_sh, c.lse);
 }
 
 // The many-waves form from 2^19 threads on, in blocks of 512 with the output LSE gathered
 // (store_lse_gathered); its SMALL = 1 form (no early return), which measured even with SMALL = 0
 // on these grids. TILE = 1 for an out_lse laid [H, T] (merge.py). With F_A_RUN: merge_flat_run.
 template <typename Tin, typename Tout, int VEC, int TILE, int FEAT = 0>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel, FEAT ? 4 : 0) merge_state_flat_gathered_kernel(
-    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
-    int rows, int H, int packs,
-    unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
-    int sa_st, int sa_sh, int sb_st, int sb_sh, int va_st, int va_sh, int vb_st, int vb_sh,
-    int out_st, int out_sh, int ol_st, int ol_sh,
-    int prefix_rows, int suffix_verbatim, float k, float inv_k,
-    const void* a_cu, const void* a_lens, int a_batch,  // options (FEAT): a_empty's offsets
-    const unsigned char* row_mask, const float* sinks, const float* out_scale,
-    float* bscale, int bs_st, int bs_sg, int g_shr, int ue8m0) {  // per-group fp8 scales
-  const Opts<int> o{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0};
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel, FEAT ? 4 : 0)
+    merge_state_flat_gathered_kernel(const FlatArgs<Tin, Tout, int> p) {
   if constexpr ((FEAT & F_A_RUN) != 0)
-    merge_flat_run<Tin, Tout, VEC, ZK_BLOCK_merge_state_flat_gathered_kernel, TILE != 0, FEAT>(
-        va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
-        va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k, o);
+    merge_flat_run<Tin, Tout, VEC, ZK_BLOCK_merge_state_flat_gathered_kernel, TILE != 0, FEAT>(p);
   else
-    merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat_gathered_kernel, int, true, TILE != 0, FEAT>(
-        va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
-        va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k, o);
+    merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat_gathered_kernel, int, true, TILE != 0, FEAT>(p);
 }
 
 // The same for tensors past 2^31 elements: 64-bit strides and offsets, the thread index still
@@ -911,20 +906,9 @@ __global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat_gathered_kernel, FEA
 // registers, 4 blocks per SM: unbounded, the GPU's NVRTC gave the fp16 form 34 registers
 // (3 blocks per SM, slower; 32 from another NVRTC).
 template <typename Tin, typename Tout, int VEC, int FEAT = 0>
-__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4) merge_state_flat64_gathered_kernel(
-    const Tin* va, const Tin* vb, const float* sa, const float* sb, Tout* out, float* olse,
-    int rows, int H, int packs,
-    unsigned packs_mul, int packs_shr, unsigned H_mul, int H_shr,
-    i64 sa_st, i64 sa_sh, i64 sb_st, i64 sb_sh, i64 va_st, i64 va_sh, i64 vb_st, i64 vb_sh,
-    i64 out_st, i64 out_sh, i64 ol_st, i64 ol_sh,
-    int prefix_rows, int suffix_verbatim, float k, float inv_k,
-    const void* a_cu, const void* a_lens, int a_batch,  // options (FEAT): a_empty's offsets
-    const unsigned char* row_mask, const float* sinks, const float* out_scale,
-    float* bscale, i64 bs_st, i64 bs_sg, int g_shr, int ue8m0) {  // per-group fp8 scales
-  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat64_gathered_kernel, i64, true, false, FEAT>(
-      va, vb, sa, sb, out, olse, rows, H, packs, packs_mul, packs_shr, H_mul, H_shr, sa_st, sa_sh, sb_st, sb_sh,
-      va_st, va_sh, vb_st, vb_sh, out_st, out_sh, ol_st, ol_sh, prefix_rows, suffix_verbatim, k, inv_k,
-      Opts<i64>{a_cu, a_lens, a_batch, row_mask, sinks, out_scale, bscale, bs_st, bs_sg, g_shr, ue8m0});
+__global__ void __launch_bounds__(ZK_BLOCK_merge_state_flat64_gathered_kernel, 4)
+    merge_state_flat64_gathered_kernel(const FlatArgs<Tin, Tout, i64> p) {
+  merge_flat<Tin, Tout, VEC, 1, ZK_BLOCK_merge_state_flat64_gathered_kernel, i64, true, false, FEAT>(p);
 }
 
 // N-way merge in one pass: v[n, t, h, :] and s[n, t, h] addressed through strides, so both

@@ -10,12 +10,15 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+from types import SimpleNamespace
 
 import pytest
 
+from zerokv.core import bound as _bound
 from zerokv.core import forms
 from zerokv.core import kernel_params as _kernel_params
 from zerokv.core import kernels as _kernels
+from zerokv.core import offline as _offline
 from zerokv.core import sources as _sources
 from zerokv.core import spec as _spec
 
@@ -25,9 +28,12 @@ _GLOBAL = re.compile(
 )
 
 
+_STRUCT = re.compile(r"template\s*<(?P<targs>[^>]*)>\s*struct\s+(?P<name>\w+)\s*\{(?P<body>[^}]*)\};", re.S)
+
+
 def _c_type(decl: str) -> str:
     """Our C-type class of one parameter declaration (``const Tin* va`` -> ``ptr``)."""
-    decl = re.sub(r"\b(const|__restrict__|volatile)\b", " ", decl)
+    decl = re.sub(r"\b(const|__restrict__|volatile|__grid_constant__)\b", " ", decl)
     if "*" in decl:
         return "ptr"
     words = decl.split()[:-1]
@@ -38,22 +44,62 @@ def _c_type(decl: str) -> str:
     return types[kind]
 
 
-def c_signature(kernel: _kernels.Kernel) -> tuple[str, list[tuple[str, str]]]:
-    """``(launch bounds text, [(name, type), ...])`` of ``kernel`` as its source declares it."""
-    text = re.sub(r"//[^\n]*", "", _sources.kernel_source(kernel))
+def _split(text: str, sep: str) -> list[str]:
+    """``text`` split at each ``sep`` outside template brackets; empty pieces dropped."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += {"<": 1, ">": -1}.get(ch, 0)
+        if ch == sep and depth == 0:
+            out.append(text[start:i])
+            start = i + 1
+    out.append(text[start:])
+    return [x.strip() for x in out if x.strip()]
+
+
+def _struct_fields(text: str, decl: str) -> list[tuple[str, str]] | None:
+    """The fields ``[(name, type)]`` of the struct a parameter declaration ``decl`` takes by value
+    (``const FlatArgs<Tin, Tout, int> p``), its template parameters replaced by the declaration's
+    arguments; None when ``decl`` names no struct template of ``text``."""
+    m = re.search(r"(\w+)\s*<(.*)>\s*\w+$", decl)
+    structs = {s["name"]: s for s in _STRUCT.finditer(text)}
+    if m is None or m[1] not in structs:
+        return None
+    s = structs[m[1]]
+    formal = [t.split()[-1] for t in _split(s["targs"], ",")]
+    actual = dict(zip(formal, _split(m[2], ","), strict=True))
+    fields = []
+    for member in _split(s["body"], ";"):
+        first, *more = _split(member, ",")
+        base, _, name = first.rpartition(" ")
+        stars = base.count("*")
+        base = re.sub(r"\b\w+\b", lambda w: actual.get(w[0], w[0]), base.replace("*", " "))
+        for i, declarator in enumerate([name, *more]):
+            ptr = "*" * ((stars if i == 0 else 0) + declarator.count("*"))
+            name_i = declarator.strip("* ")
+            fields.append((name_i, _c_type(f"{base} {ptr} {name_i}")))
+    return fields
+
+
+def c_signature(kernel: _kernels.Kernel, text: str | None = None) -> tuple[str, list[tuple[str, str]]]:
+    """``(launch bounds text, [(name, type), ...])`` of ``kernel`` as its source (or ``text``)
+    declares it. A kernel that takes a struct by value takes it alone (its fields then lie where
+    a parameter list's would: from offset 0, each at its natural alignment), and the list is the
+    struct's fields."""
+    text = re.sub(r"//[^\n]*", "", _sources.kernel_source(kernel) if text is None else text)
     found = {m["name"]: m for m in _GLOBAL.finditer(text)}
     assert kernel.name in found, f"{kernel.name}: no __global__ function of that name in {kernel.stem}.cu"
     m = found[kernel.name]
-    params = []
-    for decl in m["params"].split(","):
-        name = re.findall(r"\w+", decl)[-1]
-        params.append((name, _c_type(decl)))
-    return m["bounds"] or "", params
+    decls = _split(m["params"], ",")
+    structs = [f for f in (_struct_fields(text, d) for d in decls) if f is not None]
+    if structs:
+        assert len(decls) == 1, f"{kernel.name}: a struct parameter must be the only one"
+        return m["bounds"] or "", structs[0]
+    return m["bounds"] or "", [(re.findall(r"\w+", d)[-1], _c_type(d)) for d in decls]
 
 
-def mismatches(kernel: _kernels.Kernel) -> list[str]:
+def mismatches(kernel: _kernels.Kernel, text: str | None = None) -> list[str]:
     """How ``kernel``'s description differs from its C signature (empty: they agree)."""
-    _, params = c_signature(kernel)
+    _, params = c_signature(kernel, text)
     described = list(kernel.params)
     problems = []
     if [n for n, _ in described] != [n for n, _ in params]:
@@ -115,6 +161,109 @@ def test_a_retyped_parameter_is_caught():
     k = _kernels.MERGE_STATE
     params = tuple((n, "i32" if n == "T" else t) for n, t in k.params)
     assert any("T: described as i32" in p for p in mismatches(dataclasses.replace(k, params=params)))
+
+
+# The kernels that take their parameters as the fields of one struct, and its name (merge.cu).
+STRUCT_KERNELS = {
+    _kernels.MERGE_STATE_FLAT: "FlatArgs",
+    _kernels.MERGE_STATE_HEADS: "HeadsArgs",
+    _kernels.MERGE_STATE_FLAT_GATHERED: "FlatArgs",
+    _kernels.MERGE_STATE_FLAT64_GATHERED: "FlatArgs",
+}
+_FLAT = [k for k, s in STRUCT_KERNELS.items() if s == "FlatArgs"]
+
+
+def _edited(kernel: _kernels.Kernel, old: str, new: str) -> str:
+    """``kernel``'s source with the one occurrence of ``old`` in the body of the struct that
+    ``kernel`` takes replaced by ``new``."""
+    text = _sources.kernel_source(kernel)
+    (m,) = [m for m in _STRUCT.finditer(text) if m["name"] == STRUCT_KERNELS[kernel]]
+    assert m["body"].count(old) == 1, old
+    return text[: m.start("body")] + m["body"].replace(old, new) + text[m.end("body") :]
+
+
+@pytest.mark.parametrize("kernel", _kernels.KERNELS, ids=lambda k: k.name)
+def test_the_flat_kernels_take_one_struct(kernel):
+    text = re.sub(r"//[^\n]*", "", _sources.kernel_source(kernel))
+    params = {m["name"]: m["params"] for m in _GLOBAL.finditer(text)}[kernel.name]
+    m = re.fullmatch(r"\s*const (\w+)<[^>]*> p\s*", params)
+    assert (m and m[1]) == STRUCT_KERNELS.get(kernel)
+
+
+@pytest.mark.parametrize("kernel", STRUCT_KERNELS, ids=lambda k: k.name)
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("sa_st, sa_sh,", "sa_sh, sa_st,"),  # two fields of one declaration, of one C type
+        ("H, packs", "packs, H"),
+        ("const Tin* va;\n  const Tin* vb;", "const Tin* vb;\n  const Tin* va;"),  # two declarations
+        ("  int g_shr;", "  int g_shr_moved;"),  # a renamed field
+    ],
+)
+def test_a_swapped_or_renamed_struct_field_is_caught(kernel, old, new):
+    assert mismatches(kernel, _edited(kernel, old, new))
+
+
+def test_the_heads_kernel_struct_is_its_own():
+    """An edit of FlatArgs leaves merge_state_heads_kernel's description matched, one of
+    HeadsArgs the flat kernel's: each kernel is held against the struct it takes."""
+    heads, flat = _kernels.MERGE_STATE_HEADS, _kernels.MERGE_STATE_FLAT
+    assert mismatches(flat, _edited(flat, "sa_st, sa_sh,", "sa_sh, sa_st,"))
+    assert not mismatches(heads, _edited(flat, "sa_st, sa_sh,", "sa_sh, sa_st,"))
+    assert mismatches(heads, _edited(heads, "sa_st, sa_sh,", "sa_sh, sa_st,"))
+    assert not mismatches(flat, _edited(heads, "sa_st, sa_sh,", "sa_sh, sa_st,"))
+
+
+@pytest.mark.parametrize("kernel", _FLAT, ids=lambda k: k.name)
+def test_a_retyped_struct_field_is_caught(kernel):
+    edited = _edited(kernel, "unsigned packs_mul;", "int packs_mul;")
+    assert mismatches(kernel, edited) == ["packs_mul: described as u32, C type is i32"]
+    # a field of the index type I has the kernel's own template argument: int, or i64 in flat64
+    wide = kernel is _kernels.MERGE_STATE_FLAT64_GATHERED
+    edited = _edited(kernel, "I bs_st, bs_sg;", "int bs_st, bs_sg;")
+    retyped = [f"{n}: described as i64, C type is i32" for n in ("bs_st", "bs_sg")]
+    assert mismatches(kernel, edited) == (retyped if wide else [])
+    described = tuple((n, "i32" if n == "sa_st" else t) for n, t in kernel.params)
+    retyped = ["sa_st: described as i32, C type is i64"]
+    assert mismatches(dataclasses.replace(kernel, params=described)) == (retyped if wide else [])
+
+
+def test_a_retyped_heads_struct_field_is_caught():
+    k = _kernels.MERGE_STATE_HEADS
+    edited = _edited(k, "int H, packs, packs_shr;", "int H, packs;\n  unsigned packs_shr;")
+    assert mismatches(k, edited) == ["packs_shr: described as i32, C type is u32"]
+
+
+def test_a_struct_beside_other_parameters_is_refused():
+    k = _kernels.MERGE_STATE_FLAT
+    old = "merge_state_flat_kernel(const FlatArgs<Tin, Tout, int> p)"
+    text = _sources.kernel_source(k)
+    assert text.count(old) == 1
+    text = text.replace(old, old[:-1] + ", int n)")
+    with pytest.raises(AssertionError, match="must be the only one"):
+        c_signature(k, text)
+
+
+def test_the_struct_lays_its_fields_where_the_bound_call_packs_them():
+    """The compiler's own layout of the struct each of these kernels takes (NVRTC, no GPU): every
+    field at the offset the bound call's entry packs it at, the struct 8-byte aligned (it opens
+    the parameter space at offset 0) and as long as the buffer both executors pass."""
+    lines = [
+        "template <typename F> struct zk_param_of;",
+        "template <typename A> struct zk_param_of<void (*)(A)> { typedef A type; };",
+    ]
+    for kernel in STRUCT_KERNELS:
+        form = SimpleNamespace(kernel=kernel, grid=1, per_token=0, run_tail=0, cap=0, _fields=())
+        entry = _bound.make_entry(None, form, 0, 1, {n: i for i, (n, _) in enumerate(kernel.params)}, {})
+        assert kernel.packer.size == entry.nbytes
+        for j, expr in enumerate(kernel.expressions):
+            t = f"zk_p_{kernel.name}_{j}"
+            lines.append(f"typedef zk_param_of<decltype(&{expr})>::type {t};")
+            lines.append(f'static_assert(sizeof({t}) == {entry.nbytes} && alignof({t}) == 8, "{expr}");')
+            for (name, _), (offset, _, _) in zip(kernel.params, entry.pack, strict=True):
+                lines.append(f'static_assert(__builtin_offsetof({t}, {name}) == {offset}, "{expr}: {name}");')
+    result = _offline._compile(_sources.source("merge") + "\n".join(lines) + "\n", "merge.cu", [], "sm_80")
+    assert not isinstance(result, str), result[:2000]
 
 
 def test_option_parameters_come_from_the_spec_rows():

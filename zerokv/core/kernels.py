@@ -6,7 +6,8 @@ description come the instantiation list (what the offline compile and ``precompi
 the packing of the arguments (natural C alignment, in the kernel's own order) and the block
 size, which reaches the kernel's ``__launch_bounds__`` as ``ZK_BLOCK_<name>`` (defined at the
 top of the source handed to NVRTC). ``tests/test_kernels.py`` holds each description against
-the C parameter list in ``kernels_cu/``: names, types and order.
+the C parameter list in ``kernels_cu/`` (or, for a kernel that takes one struct, its fields):
+names, types and order.
 """
 
 from __future__ import annotations
@@ -180,6 +181,9 @@ def feature_pairs(ci: str, vec: int, runs: bool = False) -> list[tuple[str, int]
 _FLAT_OPTIONS = "@a_empty, @row_mask, @sinks, @out_scale, @out_block_scale"
 
 # The common call in its smallest form: one thread per pack, 32-bit parameters (kernels_cu/merge.cu).
+# The flat kernels take their parameters as the fields of one struct (merge.cu's FlatArgs; the
+# heads kernel's HeadsArgs): these descriptions are its fields by name, type and order, and the
+# packing by natural alignment is the struct's layout.
 MERGE_STATE_FLAT = Kernel(
     stem="merge",
     name="merge_state_flat_kernel",
