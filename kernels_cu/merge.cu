@@ -109,8 +109,8 @@ template <typename Tin, typename Tout, typename I> struct FlatArgs {
 
 // merge_state_heads_kernel's parameters: FlatArgs's fields but the four its geometry does not
 // need (rows, packs_mul, H_mul, H_shr), in the same order. A struct of its own rather than
-// FlatArgs with fields unread: the fields it reads keep their offsets, and so its speed (at T = 1
-// FlatArgs measured 2% slower: bench/NOTES.md).
+// FlatArgs with fields unread: the fields it reads keep the offsets of its former parameter list,
+// and with them its time at T = 1 (bench/NOTES.md).
 template <typename Tin, typename Tout> struct HeadsArgs {
   const Tin* va;
   const Tin* vb;
