@@ -720,3 +720,21 @@ print("OK")
 """
     done = _python(code, {"ZEROKV_CACHE_DIR": str(tmp_path)})
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
+
+
+def test_the_launchers_build_key_covers_each_part_it_includes(tmp_path, monkeypatch):
+    """launcher.c includes exactly the parts cexec keys the build on, and an edit of any part
+    names another file (a stale build is never loaded for the edited source)."""
+    included = re.findall(r'^#include "([^"]+)"', cexec.SOURCE.read_text(), re.M)
+    assert sorted(included) == [p.name for p in cexec.PARTS] and len(included) >= 2
+    copies = []
+    for f in (cexec.SOURCE, *cexec.PARTS):
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+        copies.append(tmp_path / f.name)
+    monkeypatch.setattr(cexec, "SOURCE", copies[0])
+    monkeypatch.setattr(cexec, "PARTS", tuple(copies[1:]))
+    names = {cexec.file_name(False)}
+    for part in copies:
+        part.write_bytes(part.read_bytes() + b"\n/* edited */\n")
+        names.add(cexec.file_name(False))
+    assert len(names) == len(copies) + 1

@@ -1,4 +1,5 @@
-"""The compiled executor: ``launcher.c`` built at first use with the host C compiler.
+"""The compiled executor: ``launcher.c`` (and the ``launcher_*.h`` parts it includes) built at
+first use with the host C compiler.
 
 The source ships in the package; the first process that wants it compiles it (``$CC``, else
 ``cc``, with Python's headers: about a second) into zerokv's cache directory, under a name keyed
@@ -35,6 +36,8 @@ from . import bound as _bound
 from . import disk_cache as _cache
 
 SOURCE = Path(__file__).with_name("launcher.c")
+# its parts by job, each #included once by launcher.c: the build key covers every byte of them
+PARTS = tuple(sorted(SOURCE.parent.glob("launcher_*.h")))
 MODULE = "zerokv_launcher"  # the extension's PyInit_ name
 KIND = "launcher"  # its folder in zerokv's cache
 SANITIZE_ENV = "ZEROKV_SANITIZE"
@@ -65,9 +68,8 @@ def file_name(sanitize: bool = False) -> str:
     """The launcher's file name: keyed by its source, the Python ABI, the platform and the build."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     flags = SANITIZE_FLAGS if sanitize else FLAGS
-    key = _cache.digest(
-        SOURCE.read_bytes(), suffix, sysconfig.get_platform(), sys.implementation.cache_tag, *flags
-    )
+    sources = b"".join(f.name.encode() + b"\0" + f.read_bytes() for f in (SOURCE, *PARTS))
+    key = _cache.digest(sources, suffix, sysconfig.get_platform(), sys.implementation.cache_tag, *flags)
     return f"launcher-{'asan-' if sanitize else ''}{key[:24]}{suffix}"
 
 
