@@ -552,6 +552,8 @@ BROKEN = [  # (signature, rule broken on a later call, the arguments, the valida
     ("two ranks", "heads over ranks", lambda k: {**k, "v": k["v"][:, :3], "s": k["s"][:, :3], "out": _nan((9, 1, 16), BF)},
      "3 heads cannot be"),
     ("plain", "out shape", lambda k: {**k, "out": _nan((9, 5, 16), BF)}, "out: expected shape"),
+    ("plain", "v of rank 4", lambda k: {**k, "v": k["v"][None]}, "v: expected 3 dimensions"),
+    ("plain", "s of rank 1", lambda k: {**k, "s": k["s"][0]}, "s: expected 2 dimensions"),
     ("plain", "out head_dim stride", lambda k: {**k, "out": _nan((9, 4, 32), BF)[..., ::2]}, "out: the last"),
     ("plain", "out requires grad", lambda k: {**k, "out": _nan((9, 4, 16), BF).requires_grad_()}, "out: requires grad"),
     ("plain", "out an inference tensor", _inference_out, "out: is an inference tensor"),
@@ -567,6 +569,8 @@ BROKEN = [  # (signature, rule broken on a later call, the arguments, the valida
     ("fp8", "out_scale size", lambda k: {**k, "out_scale": torch.ones(2)}, "out_scale: expected one element"),
     ("shards", "query_start_loc length", lambda k: {**k, "empty_shards": (k["empty_shards"][0], torch.tensor([0, 9]))},
      "query_start_loc: expected 3 entries"),
+    ("shards", "query_start_loc stride", lambda k: {**k, "empty_shards": (k["empty_shards"][0],
+     torch.tensor([0, 0, 2, 0, 9, 0])[::2])}, "query_start_loc: must be contiguous"),
     ("shards", "seq_lens stride", lambda k: {**k, "empty_shards": (torch.zeros(4, dtype=torch.int32)[::2],
      k["empty_shards"][1])}, "seq_lens: must be contiguous"),
     ("a2a", "out is v", lambda k: {**k, "out": k["v"]}, "out is the same memory as the input v"),
@@ -610,3 +614,118 @@ def test_calls_the_cheap_check_cannot_decide_are_let_through_by_the_full_validat
     assert len(seen.validated) == 2 and len(seen.args) == 2 and seen.args[1] == seen.validated[1]
     k = {**make(9), "out": torch.nn.Parameter(_nan((9, 4, 16)), requires_grad=False)}
     assert cpm._plan.read(k["v"], k["s"], k["sinks"], k["out"], k["out_lse"], None, None) is None
+
+
+CP_SEEN: list[tuple[bool, bool]] = []  # (taken, valid) of each random layout
+
+
+@pytest.mark.parametrize("seed", range(400))
+def test_the_bound_call_takes_only_calls_the_full_validation_accepts(seed):
+    """A signature's bound call (spec.CP_MERGE's records), then a later call of that signature
+    in random layouts placed one after another in shared buffers (padded or non-unit strides,
+    transposed LSEs, one tensor over the last element of the one before, wrong lengths of the
+    option tensors): whatever the bound call takes the full validation accepts, with the Args
+    the plan hands the runs."""
+    import random
+
+    rng = random.Random(seed)
+    N = rng.choice((1, 2))
+    T, D = rng.randint(1, 12), rng.choice((8, 16))
+    H = N * rng.randint(1, 3)
+    Hn = H // N
+    given = {o: rng.random() < 0.5 for o in ("out_lse", "sinks", "shards")}
+    B = rng.randint(0, 3)
+
+    def fresh():
+        x = {"v": torch.randn(T, H, D).to(BF), "s": torch.randn(T, H), "out": _nan((T, Hn, D), BF)}
+        x["out_lse"] = _nan((T, Hn)) if given["out_lse"] else None
+        x["sinks"] = torch.randn(H) if given["sinks"] else None
+        shards = (torch.zeros(B, dtype=torch.int32), torch.arange(B + 1, dtype=torch.int32))
+        x["shards"] = shards if given["shards"] else None
+        return x
+
+    def call_args(x):
+        return (x["v"], x["s"], N, "heads", "allgather", "e", None, x["sinks"], x["out"], x["out_lse"], None,
+                x["shards"], None, cpm.Names(None))  # fmt: skip
+
+    def objs(x):
+        return cpm._plan.spec_objects(
+            x["v"], x["s"], x["out"], x["out_lse"], x["sinks"], None, x["shards"], None
+        )
+
+    first = fresh()
+    plan = cpm._plan.Plan(cpm.validate(torch, *call_args(first)), objs(first), N)
+
+    vbuf, fbuf, ibuf = (
+        torch.randn(8 * T * H * (D + 8) + 64).to(BF),
+        torch.randn(64 * T * H + 64),
+        torch.zeros(64, dtype=torch.int32),
+    )
+    ends = {"v": [0], "f": [0], "i": [0]}
+    order = ["v", "out", "s", "out_lse", "sinks", "sl", "q"]
+    rng.shuffle(order)
+    short = rng.choice(order)
+
+    def place(name, kind, shape, strides):
+        buf = {"v": vbuf, "f": fbuf, "i": ibuf}[kind]
+        span = 1 + sum((n - 1) * st for n, st in zip(shape, strides, strict=True)) if all(shape) else 0
+        gap = -1 if name == short and len(ends[kind]) > 1 else rng.choice((0, 0, 1, 8))
+        start = max(0, max(ends[kind]) + gap)
+        ends[kind].append(start + span)
+        return buf.as_strided(shape, strides, start)
+
+    def state(name, heads):
+        pad, inner = rng.choice((0, 0, 8)), 1 if rng.random() < 0.9 else 2
+        n_heads = heads + (rng.random() < 0.05)  # now and then a wrong head count
+        return place(name, "v", (T, n_heads, D), (n_heads * (D * inner + pad), D * inner + pad, inner))
+
+    def lse(name, heads):
+        pad = rng.choice((0, 0, 4))
+        st = (1, T + pad) if rng.random() < 0.3 else (heads + pad, 1)
+        return place(name, "f", (T, heads), st)
+
+    def index(name, n):
+        return place(name, "i", (n + (rng.random() < 0.1),), (1 if rng.random() < 0.85 else 2,))
+
+    later = {}
+    for name in order:
+        if name in ("v", "out"):
+            later[name] = state(name, H if name == "v" else Hn)
+        elif name in ("s", "out_lse"):
+            later[name] = lse(name, H if name == "s" else Hn)
+        elif name == "sinks":
+            later[name] = place(name, "f", (H + (rng.random() < 0.1),), (1 if rng.random() < 0.85 else 2,))
+        else:
+            later[name] = index(name, B if name == "sl" else B + 1)
+    if not given["out_lse"]:
+        later["out_lse"] = None
+    if not given["sinks"]:
+        later["sinks"] = None
+    later["shards"] = (later.pop("sl"), later.pop("q")) if given["shards"] else None
+    if not given["shards"]:
+        later.pop("sl", None), later.pop("q", None)
+    f = cpm._plan.read(
+        later["v"], later["s"], later["sinks"], later["out"], later["out_lse"], None, later["shards"]
+    )
+    fast = plan.args(f, None, N, objs(later))
+    try:
+        full, valid = cpm.validate(torch, *call_args(later)), True
+    except (TypeError, ValueError):
+        valid = False
+    CP_SEEN.append((fast is not None, valid))
+    assert valid or fast is None, "the bound call took a call the full validation rejects"
+    if fast is not None:
+        assert fast == full
+
+
+def test_the_random_layouts_cover_taken_and_refused_calls():
+    """The layouts of the test above hold both calls the bound call takes and calls the full
+    validation rejects, each in numbers, and the bound call takes every valid one (none of them
+    has byte ranges that cross without a shared element, the one case it leaves to the full
+    validation)."""
+    if len(CP_SEEN) < 400:
+        pytest.skip("runs after the random layouts")  # pragma: no cover
+    taken = sum(t for t, _ in CP_SEEN)
+    valid_not_taken = sum(v and not t for t, v in CP_SEEN)
+    invalid = sum(not v for _, v in CP_SEEN)
+    assert taken >= 100 and invalid >= 100 and valid_not_taken == 0, (taken, valid_not_taken, invalid)

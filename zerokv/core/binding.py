@@ -107,7 +107,8 @@ class Table:
                 for y in ys:
                     x = self.arith(B.A_MUL, x, y)
                 self.add(B.OP_EQ, self.arith(B.A_MUL, r, k=scalars[scalar]), x)
-            self.regs[arg.params[0]] = base + B.T_PTR
+            if arg.params:  # (an op that launches nothing from its bound call names none)
+                self.regs[arg.params[0]] = base + B.T_PTR
             for i, p in enumerate(arg.params[1:]):
                 self.regs[p] = base + B.T_STRIDE + i
             if arg.output:

@@ -29,11 +29,17 @@ class Arg:
     output: bool = False
     alias: tuple[str, ...] = ()  # arguments it may alias exactly (same pointer and strides)
     lse: bool = False  # an LSE: may be laid [H, T] (read as the transpose)
-    unit_inner: bool = False  # the last dim has unit stride (unless it has size 1)
+    unit_inner: bool = False  # the last dim has unit stride (unless it has size 1); index dtypes: always
     vector: bool = False  # takes part in the signature's 16-byte vector alignment
     any_shape: bool = False  # any shape of one element (a scalar tensor)
     same_dtype: str = ""  # the argument whose dtype this one must have
     optional: bool = False  # may be None (an option's arguments always may)
+
+    def __post_init__(self) -> None:
+        # offsets and lengths are contiguous by their dtype class (checks.index_tensor): the
+        # bound call reads the rule here, so no row of index dtypes can leave it out
+        if self.dtypes == _dtypes.INDEX_NAMES:
+            object.__setattr__(self, "unit_inner", True)
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,8 @@ _STATE = ("T", "H", "D")
 _A_EMPTY = Option(
     "a_empty",
     (
-        Arg("cu_seqlens_q", ("B+1",), INDEX, ("a_cu",), unit_inner=True),
-        Arg("kv_lens", ("B",), INDEX, ("a_lens",), unit_inner=True, same_dtype="cu_seqlens_q"),
+        Arg("cu_seqlens_q", ("B+1",), INDEX, ("a_cu",)),
+        Arg("kv_lens", ("B",), INDEX, ("a_lens",), same_dtype="cu_seqlens_q"),
     ),
     "a_empty",
     ("a_cu", "a_lens", "a_batch"),
@@ -182,15 +188,15 @@ MERGE_STATES = OpSpec(
 _ROWS = (
     Arg("out", _STATE, V_IN, ("out", "out_st", "out_sh"), output=True, unit_inner=True, vector=True),
     Arg("lse", ("T", "H"), LSE, ("lse", "lse_st", "lse_sh"), output=True),
-    Arg("cu_seqlens_q", ("B+1",), INDEX, ("cu_q",), unit_inner=True),
+    Arg("cu_seqlens_q", ("B+1",), INDEX, ("cu_q",)),
 )
 _ROWS_PARAMS = {"sym_params": (("batch", "B"),), "derived": ("flat",)}  # flat: out is [T, H * D] compact
 FIXUP_ZERO_KV_ROWS = OpSpec(
-    "fixup_zero_kv_rows", _ROWS + (Arg("kv_lens", ("B",), INDEX, ("lens",), unit_inner=True),), **_ROWS_PARAMS
+    "fixup_zero_kv_rows", _ROWS + (Arg("kv_lens", ("B",), INDEX, ("lens",)),), **_ROWS_PARAMS
 )
 MASK_EMPTY_CONTEXT = OpSpec(
     "mask_empty_context",
-    _ROWS + (Arg("cu_seqlens_kv", ("B+1",), INDEX, ("lens",), unit_inner=True),),
+    _ROWS + (Arg("cu_seqlens_kv", ("B+1",), INDEX, ("lens",)),),
     **_ROWS_PARAMS,
 )
 
@@ -208,7 +214,7 @@ CP_MERGE = OpSpec(  # cp_merge's local part; with a send buffer, v and s are its
         Option(
             "empty_shards",
             (
-                Arg("seq_lens", ("B",), INDEX, (), unit_inner=True),
+                Arg("seq_lens", ("B",), INDEX, ()),
                 Arg("query_start_loc", ("B+1",), INDEX, ()),
             ),
             "",

@@ -186,11 +186,14 @@ def combine(
                 torch, pg, N, rank, collectives, n, return_lse, checked, out, out_lse, nan_empty
             )
         a = checked()
-    else:  # the signature's plan and its cheap check; the full validation when they cannot decide
-        key, a = _plan.find(f, N, rank, scatter, exchange, lse_base, wire_dtype, send, nan_empty, return_lse)
+    else:  # the signature's plan and its bound call; the full validation when they do not take it
+        objs = _plan.spec_objects(v, s, out, out_lse, sinks, out_scale, empty_shards, send)
+        key, a = _plan.find(
+            f, N, rank, scatter, exchange, lse_base, wire_dtype, send, nan_empty, return_lse, objs
+        )
         if a is None:
             a = checked()
-            _plan.learn(key, a)
+            _plan.learn(key, a, objs, N)
     if out is None:
         out = torch.empty((a.T, a.Hn, a.D), dtype=getattr(torch, a.out_dtype), device=v.device)
     if out_lse is None and return_lse:

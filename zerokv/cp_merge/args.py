@@ -1,6 +1,6 @@
 """A ``cp_merge`` call read and checked on the host: every check before anything is allocated,
 sent or written, with the caller's names for the arguments. On the GPU it runs on a signature's
-first call and where the plan's cheap check cannot decide (:mod:`.plan`); on the CPU on
+first call and where the plan's bound call does not take the call (:mod:`.plan`); on the CPU on
 every call."""
 
 from __future__ import annotations

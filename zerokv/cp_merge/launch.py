@@ -2,7 +2,7 @@
 arguments, device) found by one lookup, the arguments packed by name from the kernel's
 description (``Kernel.binder``), one ``cuLaunchKernel`` on the caller's stream.
 
-The call's facts are its ``args.Args``: from the signature's plan and its cheap check
+The call's facts are its ``args.Args``: from the signature's plan and its bound call
 (:mod:`.plan`), or from the full validation; each launch names every parameter of its
 kernel, checked against the description when the plan is built.
 """

@@ -1,21 +1,26 @@
 """``cp_merge`` on the ops' one path: a call's tensors read once into facts, a plan per
-signature, the plan's cheap check of what may change between calls, and the ``Args`` record
-that ``allgather`` / ``a2a`` read, built from the facts.
+signature with its bound call (``spec.CP_MERGE``'s records, as the merges'; it launches
+nothing), and the ``Args`` record that ``allgather`` / ``a2a`` read, built from the facts.
 
-The first call of a signature is fully validated (``args.validate``) and the plan is
-built from its ``Args``; a later call whose cheap check fails or cannot decide is validated
-again, which raises with the caller's argument names or lets the call through by the exact
-rules. Host tensors never come here (``cpu_path`` validates every call).
+The first call of a signature is fully validated (``args.validate``) and the plan is built from
+its ``Args`` and tensors; a later call that the bound call does not take (or, with a send
+buffer, whose v and s are not its views or whose outputs lie in its memory: the collective's
+own rules) is validated again, which raises with the caller's argument names or lets the call
+through by the exact rules. Host tensors never come here (``cpu_path`` validates every call).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..core import binding as _binding
+from ..core import bound as _bound
 from ..core import dtypes as _dtypes
+from ..core import executor as _executor
+from ..core import layout as _layout
 from ..core import plans as _plans
-from ..core.generic_tensors import writable_cheap
-from ..core.layout import INT32, distinct
+from ..core import spec as _spec
+from ..core.layout import INT32
 from ..core.tensors import Tensor, torch_tensor_type, torch_view
 from .a2a import CpSendBuffer
 from .args import Args
@@ -67,79 +72,99 @@ def _record(x, tt: type, sig: list) -> Tensor | None:
     return t
 
 
-def find(f: Facts, N, rank, scatter, exchange, lse_base, wire_dtype, send, nan_empty, return_lse) -> tuple:
-    """``(key, Args)``: the call's signature and, where its plan exists and the cheap check
-    passes, its Args; ``(key, None)``: the full validation decides (then :func:`learn`)."""
+def find(f: Facts, N, rank, scatter, exchange, lse_base, wire_dtype, send, nan_empty, return_lse,
+         objs: tuple) -> tuple:  # fmt: skip
+    """``(key, Args)``: the call's signature and, where its plan exists and its bound call takes
+    the call (``objs``: :func:`spec_objects`), its Args; ``(key, None)``: the full validation
+    decides (then :func:`learn`)."""
     key = ("cp_merge call", N, rank, scatter, exchange, type(lse_base), lse_base, type(wire_dtype), wire_dtype,
            send is None, nan_empty, return_lse, f.sig)  # fmt: skip
     try:
         plan = _plans.get(key)
     except TypeError:  # an unhashable argument (lse_base=np.array(2)): validated on every call
         return None, None
-    return key, None if plan is None else plan.args(f, send, N)
+    return key, None if plan is None else plan.args(f, send, N, objs)
 
 
-def learn(key: Any, a: Args) -> None:
+def spec_objects(v, s, out, out_lse, sinks, out_scale, shards, send) -> tuple:
+    """The call's tensors in ``spec.CP_MERGE``'s argument order; with a send buffer v and s are
+    its views, not arguments of the spec (the plan's sizes come from the buffer's layout)."""
+    sl, q = (None, None) if shards is None else (shards[0], shards[1])
+    if send is not None:
+        v = s = None
+    return v, s, out, out_lse, sinks, out_scale, sl, q
+
+
+def learn(key: Any, a: Args, objs: tuple, N: int) -> None:
     """Remember the plan of a signature from a call the full validation accepted."""
     if key is not None:
-        _plans.lookup(key, lambda: Plan(a))
+        _plans.lookup(key, lambda: Plan(a, objs, N))
 
 
 class Plan:
-    """What holds for every call of one signature: the validated constants of its ``Args`` and
-    the element sizes its byte ranges need."""
+    """What holds for every call of one signature: its bound call (the spec's checks of the
+    local part, run by the ops' executor; it launches nothing) and the validated constants of
+    its ``Args``."""
 
-    __slots__ = ("wire", "out_dtype", "base", "device", "scatter", "exchange", "heads", "v_size", "o_size",
-                 "sl_size", "q_size")  # fmt: skip
+    __slots__ = ("wire", "out_dtype", "base", "device", "scatter", "exchange", "heads", "o_size", "bound",
+                 "torch", "tensor_type", "vec", "in_size", "stream")  # fmt: skip
 
-    def __init__(self, a: Args) -> None:
+    def __init__(self, a: Args, objs: tuple, N: int) -> None:
         self.wire, self.out_dtype, self.base, self.device = a.wire, a.out_dtype, a.base, a.device
         self.scatter, self.exchange, self.heads = a.scatter, a.exchange, a.scatter == "heads"
-        self.v_size, self.o_size = _dtypes.itemsize(a.v.dtype), _dtypes.itemsize(a.out_dtype)
-        self.sl_size = 0 if a.seq_lens is None else _dtypes.itemsize(a.seq_lens.dtype)
-        self.q_size = 0 if a.qsl is None else _dtypes.itemsize(a.qsl.dtype)
+        self.o_size = _dtypes.itemsize(a.out_dtype)
+        # what binding.Table reads of a plan: no argument of the spec is vector-aligned, so the
+        # alignment register stays 0 (vec != 1)
+        self.torch, self.vec, self.in_size, self.stream = True, 0, _dtypes.itemsize(a.v.dtype), None
+        self.bound = _bind(self, a, objs, N)
 
-    def args(self, f: Facts, send: Any, N: int) -> Args | None:
-        """The call's Args when the cheap check passes (validate's rules that may change between
-        calls of the signature: shapes, unit head_dim strides, writable outputs apart from the
-        inputs and from each other); None: the full validation decides."""
-        tv, ts = f.v, f.s
-        if send is None:
-            _, pv, shape, vst, _, _, _ = tv
-            if len(shape) != 3:
-                return None
-            T, H, D = shape
-            if (D > 1 and vst[2] != 1) or ts.shape != (T, H):
-                return None
-            spans = []  # the inputs' byte ranges: layout.end written out (torch strides are >= 0)
-            if T * H:
-                ps, (s0, s1) = ts.ptr, ts.strides
-                spans.append((ps, ps + ((T - 1) * s0 + (H - 1) * s1 + 1) * 4))
-                if D:
-                    spans.append((pv, pv + ((T - 1) * vst[0] + (H - 1) * vst[1] + D) * self.v_size))
-        else:
+    def args(self, f: Facts, send: Any, N: int, objs: tuple) -> Args | None:
+        """The call's Args when the bound call takes it (and, with a send buffer, v and s are its
+        views and no output lies in its memory); None: the full validation decides."""
+        if self.bound is None:
+            return None
+        sizes = ()
+        if send is not None:
             if type(send) is not CpSendBuffer:
                 return None
             lay = send.layout
-            sv, ss, send_spans = send.facts
-            if lay.N != N or not (_same(tv, sv) and _same(ts, ss)):  # its wire: v's dtype, in the key
+            sv, ss, spans = send.facts
+            if lay.N != N or not (_same(f.v, sv) and _same(f.s, ss) and _apart_from(f, spans, self.o_size)):
                 return None
-            tv, ts, T, H, D = sv, ss, lay.T, lay.N * lay.Hn, lay.D
-            spans = list(send_spans)  # the send and receive buffers hold v and s
-        if T >= INT32 or H >= INT32:
+            sizes = (lay.T, lay.N * lay.Hn, lay.D)
+        if not _executor.run(self.bound, objs, sizes):
             return None
-        if self.heads:
-            if H % N:
-                return None
-            Hn = H // N
+        if send is None:  # v's rank and sizes as the bound call took them
+            tv, ts, (T, H, D) = f.v, f.s, f.v.shape
         else:
-            Hn = H
-        if (f.sinks or f.scale or f.sl) and not _options(f, H, spans, self.sl_size, self.q_size):
+            tv, ts, (T, H, D) = sv, ss, sizes
+        if self.heads and H % N:  # the collective's own rule (no output given says it)
             return None
-        if not _outputs(f, T, Hn, D, spans, self.o_size):
-            return None
+        Hn = H // N if self.heads else H
         return _new(Args, (tv, ts, f.sinks, f.scale, f.sl, f.q, T, H, D, Hn, self.wire, self.out_dtype, self.base,
                            self.device, self.scatter, self.exchange, send))  # fmt: skip
+
+
+def _bind(plan: Plan, a: Args, objs: tuple, N: int) -> _bound.BoundCall | None:
+    """The bound call of a signature: the spec's records of its tensors (with a send buffer, the
+    sizes of its layout as the call's scalars ``(T, H, D)``), T and H in 32 bits; done, with
+    nothing to launch."""
+    if _binding.family(plan, objs) is None:
+        return None
+    B = _bound
+    t = _binding.Table()
+    if a.send is not None:  # v and s are the buffer's views: its sizes, scalars of each call
+        hi = t.arith(B.A_ADD, B.R_ZERO, k=INT32 - 1)
+        for i, sym in enumerate(("T", "H", "D")):
+            t.sym[sym] = t.reg()
+            t.add(B.OP_SCALAR, i, t.sym[sym], B.R_ZERO, hi)
+    t.args(_spec.CP_MERGE, objs, plan, scalars={"ranks": N if plan.heads else 1})
+    if "T" in t.sym:
+        t.add(B.OP_RANGE, t.sym["T"], 0, INT32)
+        t.add(B.OP_RANGE, t.sym["H"], 0, INT32)
+    t.add(B.OP_DONE_IF_ZERO, B.R_ZERO)  # every call it takes ends here: the key is never reached
+    t.add(B.OP_KEY, t.sym.get("T", B.R_ZERO), 0)
+    return t.bound("cp_merge", plan, len(objs), None)
 
 
 def _same(x: Tensor, y: Tensor) -> bool:
@@ -147,75 +172,11 @@ def _same(x: Tensor, y: Tensor) -> bool:
     return x[1:6] == y[1:6]
 
 
-def _options(f: Facts, H: int, spans: list, sl_size: int, q_size: int) -> bool:
-    """sinks ``[H]`` contiguous, out_scale of one element, seq_lens ``[B]`` and query_start_loc
-    ``[B + 1]`` contiguous; their byte ranges join ``spans``."""
-    sk = f.sinks
-    if sk is not None:
-        if sk.shape != (H,) or (H > 1 and sk.strides[0] != 1):
-            return False
-        if H:
-            spans.append((sk.ptr, sk.ptr + 4 * H))
-    sc = f.scale
-    if sc is not None:
-        n = 1
-        for d in sc.shape:
-            n *= d
-        if n != 1:
-            return False
-        spans.append((sc.ptr, sc.ptr + 4))
-    sl, q = f.sl, f.q
-    if sl is not None:
-        if len(sl.shape) != 1 or len(q.shape) != 1:
-            return False
-        B = sl.shape[0]
-        if q.shape[0] != B + 1 or (B > 1 and sl.strides[0] != 1) or (B > 0 and q.strides[0] != 1):
-            return False
-        if B:
-            spans.append((sl.ptr, sl.ptr + B * sl_size))
-        spans.append((q.ptr, q.ptr + (B + 1) * q_size))
-    return True
-
-
-def _outputs(f: Facts, T: int, Hn: int, D: int, spans: list, o_size: int) -> bool:
-    """out ``[T, Hn, D]`` (unit head_dim stride) and out_lse ``[T, Hn]``: writable, each element
-    at its own address, sharing no byte with an input or with each other."""
-    o, ol = f.out, f.ol
-    po = eo = 0
-    if o is not None:
-        x, po, shape, strides, _, _, _ = o
-        if (x.requires_grad or x.is_inference()) and not writable_cheap(x):
-            return False
-        if shape != (T, Hn, D):
-            return False
-        st0, st1, st2 = strides
-        if D > 1 and st2 != 1:
-            return False
-        if T * Hn * D:  # distinct's row-major case and layout.end, written out first
-            if not ((Hn <= 1 or st1 >= D) and (T <= 1 or st0 >= (Hn - 1) * st1 + D)) and not distinct(
-                T, st0, Hn, st1, D
-            ):
+def _apart_from(f: Facts, spans: tuple, o_size: int) -> bool:
+    """No output shares a byte with ``spans`` (a send buffer's memory, where peers write)."""
+    for rec, size in ((f.out, o_size), (f.ol, 4)):
+        if rec is not None:
+            lo, hi = _layout.extent(rec.ptr, rec.shape, rec.strides, size)
+            if not _layout.apart_all(lo, hi, spans):
                 return False
-            eo = po + ((T - 1) * st0 + (Hn - 1) * st1 + D) * o_size
-            for lo, hi in spans:
-                if lo < eo and po < hi:
-                    return False
-    if ol is not None:
-        x, pl, shape, strides, _, _, _ = ol
-        if (x.requires_grad or x.is_inference()) and not writable_cheap(x):
-            return False
-        if shape != (T, Hn):
-            return False
-        if T * Hn:
-            st0, st1 = strides
-            if not ((Hn <= 1 or st1 >= 1) and (T <= 1 or st0 >= (Hn - 1) * st1 + 1)) and not distinct(
-                T, st0, Hn, st1, 1
-            ):
-                return False
-            el = pl + ((T - 1) * st0 + (Hn - 1) * st1 + 1) * 4
-            if pl < eo and po < el:
-                return False
-            for lo, hi in spans:
-                if lo < el and pl < hi:
-                    return False
     return True

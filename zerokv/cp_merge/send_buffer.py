@@ -46,7 +46,7 @@ class CpSendBuffer:
     :func:`zerokv.cp_send_buffer`: ``v`` ``[N, T, H/N, D]`` and ``lse`` ``[N, T, H/N]`` (float32)
     are views of it, peer ``j``'s heads at ``[j]``; ``recv`` is the receive buffer (the same
     memory as ``send`` in a group of one). Reused across calls (CUDA-graph safe). ``facts``:
-    the views' records and the buffers' byte ranges, read once for the calls' cheap check."""
+    the views' records and the buffers' byte ranges, read once for the calls' plan."""
 
     __slots__ = ("layout", "send", "recv", "v", "lse", "facts")
 
