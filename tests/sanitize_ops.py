@@ -265,7 +265,7 @@ def a_empty_runs() -> None:
         "lying": ([0, T + 50, -7, 2**31 - 1, T // 2], [0, 3, 0, 0], torch.int32),
         "lying64": ([0, 2**40, -(2**40), 5, T], [0, 0, 9, 0], torch.int64),
         "scrambled": (torch.randint(-T, 2 * T + 1, (1101,), generator=g).tolist(), [0, 1] * 550, torch.int32),
-        # past the window, the offsets copied into shared memory (merge.cu's search_tokens_staged)
+        # past the window, the offsets copied into shared memory (merge_flat_rows.cuh's search_tokens_staged)
         "staged": (torch.linspace(0, T, 251).round().tolist(), [0, 3] * 125, torch.int32),
         "staged scrambled": (
             torch.randint(-T, 2 * T + 1, (251,), generator=g).tolist(),

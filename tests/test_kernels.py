@@ -163,7 +163,7 @@ def test_a_retyped_parameter_is_caught():
     assert any("T: described as i32" in p for p in mismatches(dataclasses.replace(k, params=params)))
 
 
-# The kernels that take their parameters as the fields of one struct, and its name (merge.cu).
+# The kernels that take their parameters as the fields of one struct, and its name (merge_rows.cuh).
 STRUCT_KERNELS = {
     _kernels.MERGE_STATE_FLAT: "FlatArgs",
     _kernels.MERGE_STATE_HEADS: "HeadsArgs",

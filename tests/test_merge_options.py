@@ -1,5 +1,5 @@
 """merge_state's options on the tuned forms: each option alone takes the flat family with its
-feature compiled in (kernels_cu/merge.cu, FEAT), on every size class (heads, small, flat,
+feature compiled in (kernels_cu/merge_rows.cuh, FEAT), on every size class (heads, small, flat,
 gathered, tiled, unaligned, 64-bit), against the float64 reference. Empty inputs hold NaN/Inf
 garbage that must never reach the output; outputs start as NaN. Per-group fp8: bit for bit
 against the reference's rule where the merge is exact. The form table's choices are checked
@@ -362,7 +362,7 @@ def _scaled(case, T=BIG_T):
     return torch.tensor(cu, dtype=dtype, device="cuda"), torch.tensor(case.kv, dtype=dtype, device="cuda")
 
 
-# batches of a_empty's search (merge.cu): (batch, index dtype). Up to 64 requests: the warp's
+# batches of a_empty's search (merge_flat_rows.cuh): (batch, index dtype). Up to 64 requests: the warp's
 # window (masks of two entries a lane); past 64: the binary search, in the runs' blocks over a
 # shared copy of the offsets where it fits (65 to 250 requests with int32 offsets, to 125 with
 # int64), else over global memory.

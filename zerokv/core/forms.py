@@ -80,7 +80,7 @@ def launch_grid(form: Form, T: int) -> tuple[int, int]:
     spans = -(-T * pt // form.kernel.block)
     if form.cap:
         return min(spans, form.cap), 1
-    if form.run_tail:  # the first blocks take A_RUN_SPANS spans each (merge.cu's merge_flat_run)
+    if form.run_tail:  # the first blocks take A_RUN_SPANS spans each (merge_flat.cuh's merge_flat_run)
         spans -= max(0, (spans - form.run_tail) // _kernels.A_RUN_SPANS) * (_kernels.A_RUN_SPANS - 1)
     return spans, 1
 
@@ -230,7 +230,7 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-# An option on the flat family: its feature bit (kernels_cu/merge.cu, FEAT); the options with an
+# An option on the flat family: its feature bit (kernels_cu/merge_rows.cuh, FEAT); the options with an
 # fp8 output, and those whose kernels exist for inputs and output of one dtype.
 _FEATURE_BITS = {
     "a_empty": _kernels.F_A_EMPTY,

@@ -140,18 +140,19 @@ MERGE_STATE = Kernel(
     ),
 )
 
-# Option features of the tuned merge forms (FEAT, their last template argument; kernels_cu/merge.cu):
+# Option features of the tuned merge forms (FEAT, their last template argument; kernels_cu/merge_rows.cuh):
 # a bitmask, absent (0) for the plain call. Each feature comes alone on the forms of every size
 # class, for inputs and output of one dtype (fp8 outputs: from each input dtype); calls with
 # several options, or another pair of dtypes, take merge_state_kernel.
 F_A_EMPTY, F_A64, F_SINKS, F_ROW_MASK, F_OUT_SCALE, F_GROUP_FP8 = 1, 2, 4, 8, 16, 32
 # with F_A_EMPTY, the gathered form: blocks take runs of A_RUN_SPANS spans of packs and search
-# their tokens once, before their loads; a row of an empty request does not load v_a (merge.cu's
-# merge_flat_run; forms.py picks it)
+# their tokens once, before their loads; a row of an empty request does not load v_a
+# (merge_flat.cuh's merge_flat_run; forms.py picks it)
 F_A_RUN = 64
-A_RUN_SPANS = 4  # merge.cu's A_RUN_SPANS
-# a_empty's requests that a warp's window takes (merge.cu's A_WINDOW); past them the one-pass form
-# searches global memory, one round trip a level, and the runs a shared copy (forms.py)
+A_RUN_SPANS = 4  # merge_flat.cuh's A_RUN_SPANS
+# a_empty's requests that a warp's window takes (merge_flat_rows.cuh's A_WINDOW); past them the
+# one-pass form searches global memory, one round trip a level, and the runs a shared copy
+# (forms.py)
 A_WINDOW = 64
 # with F_GROUP_FP8: log2 of the packs of one group in bits 7-9, so that the kernel's shuffles and
 # scale index are compiled for the group's size (the g_shr parameter goes unused there)
@@ -180,8 +181,8 @@ def feature_pairs(ci: str, vec: int, runs: bool = False) -> list[tuple[str, int]
 # the options the flat family takes (their feature bits above), in the kernels' order
 _FLAT_OPTIONS = "@a_empty, @row_mask, @sinks, @out_scale, @out_block_scale"
 
-# The common call in its smallest form: one thread per pack, 32-bit parameters (kernels_cu/merge.cu).
-# The flat kernels take their parameters as the fields of one struct (merge.cu's FlatArgs; the
+# The common call in its smallest form: one thread per pack, 32-bit parameters (kernels_cu/merge_flat.cuh).
+# The flat kernels take their parameters as the fields of one struct (merge_rows.cuh's FlatArgs; the
 # heads kernel's HeadsArgs): these descriptions are its fields by name, type and order, and the
 # packing by natural alignment is the struct's layout.
 MERGE_STATE_FLAT = Kernel(
