@@ -492,6 +492,7 @@ SIGNATURES = {
     "a2a": (1, lambda T: dict(_vs(T, 4, torch.float32), exchange="a2a", out=_nan((T, 4, 16)),
                               out_lse=_nan((T, 4))), _combine),
     "send": (1, _send, _combine),
+    "send, out allocated": (1, lambda T: {**_send(T), "out": None, "return_lse": True}, _combine),
     "vllm": (1, lambda T: dict(_vs(T, 4, BF)), _vllm),
 }  # fmt: skip
 
