@@ -159,11 +159,11 @@ def _bind(plan: Plan, a: Args, objs: tuple, N: int) -> _bound.BoundCall | None:
             t.sym[sym] = t.reg()
             t.add(B.OP_SCALAR, i, t.sym[sym], B.R_ZERO, hi)
     t.args(_spec.CP_MERGE, objs, plan, scalars={"ranks": N if plan.heads else 1})
-    if "T" in t.sym:
-        t.add(B.OP_RANGE, t.sym["T"], 0, INT32)
-        t.add(B.OP_RANGE, t.sym["H"], 0, INT32)
+    T, H = t.sym["T"], t.sym["H"]  # v's (required without a send buffer) or the buffer's
+    t.add(B.OP_RANGE, T, 0, INT32)
+    t.add(B.OP_RANGE, H, 0, INT32)
     t.add(B.OP_DONE_IF_ZERO, B.R_ZERO)  # every call it takes ends here: the key is never reached
-    t.add(B.OP_KEY, t.sym.get("T", B.R_ZERO), 0)
+    t.add(B.OP_KEY, T, 0)
     return t.bound("cp_merge", plan, len(objs), None)
 
 
