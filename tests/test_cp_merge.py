@@ -626,7 +626,7 @@ def test_the_bound_call_takes_only_calls_the_full_validation_accepts(seed):
     in random layouts placed one after another in shared buffers (padded or non-unit strides,
     transposed LSEs, one tensor over the last element of the one before, wrong lengths of the
     option tensors): whatever the bound call takes the full validation accepts, with the Args
-    the plan hands the runs."""
+    the plan hands the runs; the compiled and the Python executor take the same calls."""
     import random
 
     rng = random.Random(seed)
@@ -709,6 +709,10 @@ def test_the_bound_call_takes_only_calls_the_full_validation_accepts(seed):
         later["v"], later["s"], later["sinks"], later["out"], later["out_lse"], None, later["shards"]
     )
     fast = plan.args(f, None, N, objs(later))
+    from zerokv.core import executor  # both executors take the same calls
+
+    runners = [executor.runner("python")] + ([executor.runner("c")] if executor.module_of_safe("c") else [])
+    assert {bool(run(plan.bound, objs(later), ())) for run in runners} == {fast is not None}
     try:
         full, valid = cpm.validate(torch, *call_args(later)), True
     except (TypeError, ValueError):
