@@ -17,6 +17,7 @@ import datetime
 import importlib
 import json
 import os
+import random
 import time
 import types
 
@@ -56,6 +57,7 @@ from cp_cases import (
 import zerokv
 from zerokv import reference
 from zerokv.compat import vllm
+from zerokv.core import executor
 
 dist = torch.distributed
 
@@ -627,8 +629,6 @@ def test_the_bound_call_takes_only_calls_the_full_validation_accepts(seed):
     transposed LSEs, one tensor over the last element of the one before, wrong lengths of the
     option tensors): whatever the bound call takes the full validation accepts, with the Args
     the plan hands the runs; the compiled and the Python executor take the same calls."""
-    import random
-
     rng = random.Random(seed)
     N = rng.choice((1, 2))
     T, D = rng.randint(1, 12), rng.choice((8, 16))
@@ -685,8 +685,8 @@ def test_the_bound_call_takes_only_calls_the_full_validation_accepts(seed):
         st = (1, T + pad) if rng.random() < 0.3 else (heads + pad, 1)
         return place(name, "f", (T, heads), st)
 
-    def index(name, n):
-        return place(name, "i", (n + (rng.random() < 0.1),), (1 if rng.random() < 0.85 else 2,))
+    def vector(name, kind, n):  # now and then one entry too many, or a stride of 2
+        return place(name, kind, (n + (rng.random() < 0.1),), (1 if rng.random() < 0.85 else 2,))
 
     later = {}
     for name in order:
@@ -695,22 +695,16 @@ def test_the_bound_call_takes_only_calls_the_full_validation_accepts(seed):
         elif name in ("s", "out_lse"):
             later[name] = lse(name, H if name == "s" else Hn)
         elif name == "sinks":
-            later[name] = place(name, "f", (H + (rng.random() < 0.1),), (1 if rng.random() < 0.85 else 2,))
+            later[name] = vector(name, "f", H)
         else:
-            later[name] = index(name, B if name == "sl" else B + 1)
-    if not given["out_lse"]:
-        later["out_lse"] = None
-    if not given["sinks"]:
-        later["sinks"] = None
-    later["shards"] = (later.pop("sl"), later.pop("q")) if given["shards"] else None
-    if not given["shards"]:
-        later.pop("sl", None), later.pop("q", None)
+            later[name] = vector(name, "i", B if name == "sl" else B + 1)
+    later["shards"] = (later.pop("sl"), later.pop("q"))
+    for option, on in given.items():
+        later[option] = later[option] if on else None
     f = cpm._plan.read(
         later["v"], later["s"], later["sinks"], later["out"], later["out_lse"], None, later["shards"]
     )
     fast = plan.args(f, None, N, objs(later))
-    from zerokv.core import executor  # both executors take the same calls
-
     runners = [executor.runner("python")] + ([executor.runner("c")] if executor.module_of_safe("c") else [])
     assert {bool(run(plan.bound, objs(later), ())) for run in runners} == {fast is not None}
     try:

@@ -121,8 +121,6 @@ class Plan:
     def args(self, f: Facts, send: Any, N: int, objs: tuple) -> Args | None:
         """The call's Args when the bound call takes it (and, with a send buffer, v and s are its
         views and no output lies in its memory); None: the full validation decides."""
-        if self.bound is None:
-            return None
         sizes = ()
         if send is not None:
             if type(send) is not CpSendBuffer:
@@ -145,12 +143,11 @@ class Plan:
                            self.device, self.scatter, self.exchange, send))  # fmt: skip
 
 
-def _bind(plan: Plan, a: Args, objs: tuple, N: int) -> _bound.BoundCall | None:
+def _bind(plan: Plan, a: Args, objs: tuple, N: int) -> _bound.BoundCall:
     """The bound call of a signature: the spec's records of its tensors (with a send buffer, the
     sizes of its layout as the call's scalars ``(T, H, D)``), T and H in 32 bits; done, with
     nothing to launch."""
-    if _binding.family(plan, objs) is None:
-        return None
+    _binding.family(plan, objs)  # torch's tensor type: read() took plain torch tensors only
     B = _bound
     t = _binding.Table()
     if a.send is not None:  # v and s are the buffer's views: its sizes, scalars of each call
