@@ -399,10 +399,11 @@ def run_seed(T: int, b: Bench) -> list[Row]:
 def _a_empty_one_pass(va: Any, sa: Any, vb: Any, sb: Any, o: Any, ol: Any, cu: Any, kv: Any) -> Any:
     """The fused a_empty merge on the gathered form in one span per block (v_a loaded with v_b
     on every row) where the library takes its runs of spans (F_A_RUN), launched through the
-    library's form, binder and launcher: the comparison behind forms.py's choice."""
-    from zerokv.core import device, facts, forms, merge_plans, plans, spec
+    library's form, parameters by name and launcher: the comparison behind forms.py's choice."""
+    from zerokv.core import device, facts, forms, merge_checks, merge_plans, plans, spec
 
-    f = facts.read(spec.MERGE_STATE, (va, sa, vb, sb, o, ol, cu, kv, None, None, None))
+    objs = (va, sa, vb, sb, o, ol, cu, kv, None, None, None)
+    f = facts.of(spec.MERGE_STATE, merge_checks.two(objs, "e", None, None), objs)
     f.prefix_rows = f.T
     c = forms.MergeCall(
         f.T, f.H, f.D, 16 // va.element_size(), str(va.dtype).split(".")[-1], str(o.dtype).split(".")[-1],
@@ -417,9 +418,9 @@ def _a_empty_one_pass(va: Any, sa: Any, vb: Any, sb: Any, o: Any, ol: Any, cu: A
     consts.k, consts.inv_k = zerokv.core.checks.LSE_BASES["e"]
     consts.suffix_verbatim, consts.a_is64, consts.prefix_rows, consts.ue8m0 = 0, int(c.a64), 0, 0
     launcher = plans.launcher(form.kernel, targs, f.device)
-    bind = merge_plans._binder(form.kernel, facts.record(spec.MERGE_STATE))
+    get = merge_plans.getter(form.kernel, facts.record(spec.MERGE_STATE))
     f.rows = f.T * f.H
-    launcher.launch(form.grid, form.grid_y, device.torch_stream(f.device), bind, f, form, consts)
+    launcher.launch_values(form.grid, form.grid_y, device.torch_stream(f.device), get(f, form, consts))
     return o, ol
 
 

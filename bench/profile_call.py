@@ -217,7 +217,7 @@ def _load_other(directory: str, cpu: bool) -> tuple[Any, Any]:
         patch(mods["plans"], "launcher", _Counted)
         for attr, value in (("sm_count", 132), ("l2_bytes", 50 << 20), ("torch_stream", 0)):
             patch(mods["device"], attr, lambda d, v=value: v)
-        for attr in ("read", "read_two", "read_n", "read_rows"):  # the readers of either version
+        for attr in ("of", "read", "read_two", "read_n", "read_rows"):  # the readers of either version
             if hasattr(mods["facts"], attr):
                 patch(mods["facts"], attr, _on_device(getattr(mods["facts"], attr)))
         try:
@@ -243,18 +243,14 @@ class _Counted:
         self.pack_into(self.buf, 0, *values)
         self.count += 1
 
-    def launch(self, grid: int, grid_y: int, stream: int, bind: Any, *records: Any) -> None:
-        bind(self.buf, *records)
-        self.count += 1
-
     def fire(self, grid: int, grid_y: int, stream: int) -> None:
         self.count += 1
 
 
-def _on_device(read: Any) -> Any:
+def _on_device(facts_of: Any) -> Any:
     def on_device(*a: Any) -> Any:
-        f = read(*a)
-        if f is not None:
+        f = facts_of(*a)
+        if f is not None:  # (an older version's readers return None for what they cannot read)
             f.device = 0
         return f
 

@@ -193,11 +193,6 @@ class _Recorder:
     def __init__(self, kernel, targs, log):
         self.kernel, self.targs, self.log = kernel, targs, log
 
-    def launch(self, grid, grid_y, stream, bind, *records):
-        _launch._arena.buf[: self.kernel.packer.size] = bytes(self.kernel.packer.size)
-        bind(_launch._arena.buf, *records)
-        self.fire(grid, grid_y, stream)
-
     def launch_values(self, grid, grid_y, stream, values):
         self.kernel.packer.pack_into(_launch._arena.buf, 0, *values)
         self.fire(grid, grid_y, stream)
@@ -219,16 +214,15 @@ def recorded(monkeypatch):
     monkeypatch.setattr(_device, "l2_bytes", lambda device: 50 << 20)
     monkeypatch.setattr(_device, "torch_stream", lambda device: 0)
     monkeypatch.setattr(_device, "cupy_stream", lambda device: 0)
-    monkeypatch.setattr(_facts, "read", _on_device(_facts.read))
+    monkeypatch.setattr(_facts, "of", _on_device(_facts.of))
     yield log
     _plans.clear_cache()
 
 
-def _on_device(read):
+def _on_device(facts_of):
     def on_device(*args):
-        f = read(*args)
-        if f is not None:
-            f.device = 0
+        f = facts_of(*args)
+        f.device = 0
         return f
 
     return on_device

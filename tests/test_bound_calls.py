@@ -88,7 +88,7 @@ def counted(recorded, monkeypatch):
     monkeypatch.setattr(merge_checks, "two", count(merge_checks.two, "validate"))
     monkeypatch.setattr(merge_checks, "n", count(merge_checks.n, "validate"))
     monkeypatch.setattr(empty_rows_plan, "validate", count(empty_rows_plan.validate, "validate"))
-    monkeypatch.setattr(facts, "read", count(facts.read, "facts"))
+    monkeypatch.setattr(facts, "of", count(facts.of, "facts"))
     return recorded, seen
 
 
@@ -109,7 +109,7 @@ def test_a_later_call_of_a_signature_takes_its_bound_call(counted):
 
 def test_bound_calls_launch_what_the_validated_path_launches(recorded, monkeypatch):
     """The same calls with every signature's bound call and without any (each call fully
-    validated, its facts packed by the kernels' binders): the same kernels, grids and
+    validated, its facts put in order by the kernels' getters): the same kernels, grids and
     arguments by name, for a first T and a later one of another form."""
     series = [c for T in (48, 61, 3000) for c in _calls(T)]
     for _, call in series:

@@ -356,9 +356,9 @@ class _Recorder:
     def __init__(self, kernel, targs, device, seen):
         self.kernel, self.targs, self.seen = kernel, targs, seen
 
-    def launch(self, grid, grid_y, stream, bind, *records):
+    def launch_values(self, grid, grid_y, stream, values):
         buf = bytearray(self.kernel.packer.size)
-        bind(buf, *records)
+        self.kernel.packer.pack_into(buf, 0, *values)
         self.seen.append((self.kernel.name, self.targs, grid, stream, bytes(buf)))
 
 

@@ -205,19 +205,21 @@ def test_on_a_gpu_torch_beside_cupy_is_a_type_error_naming_both(cupy_arg):
 
 
 def test_torch_beside_another_producer_is_a_signature_of_its_own():
-    """The readers' producer part of a signature: a mixed call never finds the plan of an
+    """The facts' producer part of a signature: a mixed call never finds the plan of an
     all-torch or all-numpy call (a torch subclass beside numpy included), so its validation runs."""
-    from zerokv.core import facts, spec
+    from zerokv.core import facts, merge_checks, spec
 
     v_a, s_a, v_b, s_b = _states()
     rest = (None,) * 7
-    torch_only = facts.read(spec.MERGE_STATE, (v_a, s_a, v_b, s_b, *rest))
-    numpy_only = facts.read(spec.MERGE_STATE, (v_a.numpy(), s_a.numpy(), v_b.numpy(), s_b.numpy(), *rest))
-    mixed = facts.read(spec.MERGE_STATE, (v_a, s_a.numpy(), v_b, s_b, *rest))
-    subclass = facts.read(
-        spec.MERGE_STATE,
-        (torch.nn.Parameter(v_a, requires_grad=False), s_a.numpy(), v_b.numpy(), s_b.numpy(), *rest),
-    )
+
+    def facts_of(*states):
+        objs = (*states, *rest)
+        return facts.of(spec.MERGE_STATE, merge_checks.two(objs, "e", None, None), objs)
+
+    torch_only = facts_of(v_a, s_a, v_b, s_b)
+    numpy_only = facts_of(v_a.numpy(), s_a.numpy(), v_b.numpy(), s_b.numpy())
+    mixed = facts_of(v_a, s_a.numpy(), v_b, s_b)
+    subclass = facts_of(torch.nn.Parameter(v_a, requires_grad=False), s_a.numpy(), v_b.numpy(), s_b.numpy())
     assert (torch_only.sig[-1], numpy_only.sig[-1], mixed.sig[-1], subclass.sig[-1]) == (
         True,
         False,

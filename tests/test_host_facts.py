@@ -1,9 +1,9 @@
-"""The readers' facts against the tensors and the one home of alignment (core/layout.py).
+"""A checked call's facts against the tensors and the one home of alignment (core/layout.py).
 
-``facts.read`` of each op's spec reads a signature's first call and the calls its
-bound call does not take: random strided layouts, offsets and LSE orientations are read and
-each pointer and stride, and the signature's alignment, compared with the tensors and
-``layout.aligned``. (The bound calls' byte ends and overlaps: tests/test_bound_calls.py and
+``facts.of`` of each op's spec holds a signature's first call and the calls its bound call
+does not take, from the full validation: random strided layouts, offsets and LSE orientations
+are validated and each pointer and stride, and the signature's alignment, compared with the
+tensors and ``layout.aligned``. (The bound calls' byte ends and overlaps: tests/test_bound_calls.py and
 tests/test_checks.py.)
 """
 
@@ -16,7 +16,9 @@ import torch
 
 from zerokv.core import facts as _facts
 from zerokv.core import layout as _layout
+from zerokv.core import merge_checks as _merge_checks
 from zerokv.core import spec as _spec
+from zerokv.core import validation as _validation
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -39,7 +41,7 @@ def _lse(rng, T, H, ht, pad, offset):
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_read_two_reads_each_tensor_and_its_alignment_is_layout_aligned(seed):
+def test_the_facts_of_two_hold_each_tensor_and_its_alignment_is_layout_aligned(seed):
     rng = random.Random(seed)
     T, H, D = rng.randint(1, 40), rng.randint(1, 9), rng.choice((8, 16, 64, 128))
     dtype, ht = rng.choice(DTYPES), rng.random() < 0.3
@@ -53,7 +55,10 @@ def test_read_two_reads_each_tensor_and_its_alignment_is_layout_aligned(seed):
         return _lse(rng, T, H, ht, rng.choice((0, 3)), rng.choice((0, 1)))
 
     va, vb, out, sa, sb, ol = v(), v(), v(), s(), s(), s()
-    f = _facts.read(_spec.MERGE_STATE, (va, sa, vb, sb, out, ol, None, None, None, None, None), ht)
+    objs = (va, sa, vb, sb, out, ol, None, None, None, None, None)
+    views = (va, sa.t(), vb, sb.t(), out, ol.t(), *objs[6:]) if ht else objs  # [H, T]: read as [T, H]
+    f = _facts.of(_spec.MERGE_STATE, _merge_checks.two(views, "e", None, None), objs)
+    assert f.objs is objs and f.device == -1 and f.torch
     for name, t in (("va", va), ("vb", vb), ("out", out)):
         assert (getattr(f, name), getattr(f, f"{name}_st"), getattr(f, f"{name}_sh")) == (
             t.data_ptr(),
@@ -75,7 +80,7 @@ def test_read_two_reads_each_tensor_and_its_alignment_is_layout_aligned(seed):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_read_n_and_read_rows_alignment_is_layout_aligned(seed):
+def test_the_facts_of_n_and_of_the_row_ops_alignment_is_layout_aligned(seed):
     rng = random.Random(seed)
     N, T, H, D = rng.randint(1, 4), rng.randint(1, 30), rng.randint(1, 8), rng.choice((8, 16, 128))
     dtype = rng.choice(DTYPES)
@@ -83,13 +88,14 @@ def test_read_n_and_read_rows_alignment_is_layout_aligned(seed):
     v = torch.randn(off + N * T * H * (D + 8) + 8).to(dtype)
     v = v.as_strided((N, T, H, D), (T * H * (D + 8), H * (D + 8), D + 8, 1), off)
     s = torch.randn(N, T, H)
-    f = _facts.read(_spec.MERGE_STATES, (v, s, None, None, None, None))
+    f = _facts.of(_spec.MERGE_STATES, _merge_checks.n((v, s), "e"), (v, s))
     w = _layout.vec(v.element_size())
     st = v.stride()
     assert f.sig[-2] == _layout.aligned(v.data_ptr(), v.element_size(), w, st[0] | st[1] | st[2] | D)
     assert (f.v, f.v_sn, f.v_st, f.v_sh, f.s_sn, f.s_st, f.s_sh) == (v.data_ptr(), *st[:3], *s.stride())
     out = _strided(rng, T, H, D, dtype, rng.choice((0, 8, 3)), 0, off)
     cu, lens = torch.tensor([0, T], dtype=torch.int32), torch.tensor([1], dtype=torch.int32)
-    r = _facts.read(_spec.FIXUP_ZERO_KV_ROWS, (out, torch.randn(T, H), cu, lens))
+    objs = (out, torch.randn(T, H), cu, lens)
+    r = _facts.of(_spec.FIXUP_ZERO_KV_ROWS, _validation.validate(_spec.FIXUP_ZERO_KV_ROWS, objs), objs)
     want = _layout.aligned(out.data_ptr(), out.element_size(), w, out.stride(0) | out.stride(1) | D)
     assert r.sig[-2] == want and (r.out_st, r.out_sh, r.batch) == (*out.stride()[:2], 1)

@@ -68,11 +68,6 @@ class _Recorder:
             return
         self.record(grid, grid_y, self.kernel.packer.pack(*values))
 
-    def launch(self, grid: int, grid_y: int, stream: int, bind: Any, *records: Any) -> None:
-        buf = bytearray(self.kernel.packer.size)
-        bind(buf, *records)
-        self.record(grid, grid_y, bytes(buf))
-
     def __call__(self, grid: int, stream: int, *args: Any, grid_y: int = 1) -> None:
         self.record(grid, grid_y, self.kernel.packer.pack(*args))
 
@@ -88,11 +83,10 @@ class _Recorder:
             )
 
 
-def _on_device(read: Any) -> Any:
+def _on_device(facts_of: Any) -> Any:
     def on_device(*args: Any) -> Any:
-        f = read(*args)
-        if f is not None:
-            f.device = 0  # a host tensor's facts read as a GPU call's (its plan keeps the host's -1)
+        f = facts_of(*args)
+        f.device = 0  # a host tensor's facts as a GPU call's (its plan keeps the host's -1)
         return f
 
     return on_device
@@ -133,7 +127,7 @@ def record_launches(
         patch(_device, "l2_bytes", lambda device: l2_bytes)
         patch(_device, "torch_stream", lambda device: 0)
         patch(_device, "cupy_stream", lambda device: 0)
-        patch(_facts, "read", _on_device(_facts.read))
+        patch(_facts, "of", _on_device(_facts.of))
         name = executor or _executor.choose()[0]
         log.executor = name
         module = _executor.module_of(name)

@@ -1,2 +1,2 @@
-"""zerokv's private core: reading arguments into facts, checks, plans, kernel descriptions,
-launching, the CPU path and the caches. Nothing here is public API."""
+"""zerokv's private core: the ops' specs, their validation and bound calls, the executors, plans,
+kernel descriptions, launching, the CPU path and the caches. Nothing here is public API."""

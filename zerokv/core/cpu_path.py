@@ -54,9 +54,11 @@ def merge_states(c: Checked, o: Tensor, ol: Tensor | None) -> None:
         write(ol, lse)
 
 
-def empty_rows(v: dict, rule_offsets: bool) -> None:
-    """fixup (``rule_offsets=False``: ``lens`` are kv lengths) or mask (context offsets)."""
-    o, s, cu, lens = v["out"], v["lse"], to_f64(v["cu"]), to_f64(v["lens"])
+def empty_rows(c: Checked, rule_offsets: bool) -> None:
+    """fixup (``rule_offsets=False``: ``kv_lens``) or mask (``cu_seqlens_kv``, context offsets)."""
+    t = c.tensors
+    o, s, cu = t["out"], t["lse"], to_f64(t["cu_seqlens_q"])
+    lens = to_f64(t["cu_seqlens_kv"] if rule_offsets else t["kv_lens"])
     empty = reference.empty_context_requests(lens) if rule_offsets else reference.zero_kv_requests(lens)
     rows = reference.rows_of_requests(cu, empty, o.shape[0])
     res, new_lse = reference.write_empty_rows(to_f64(o), to_f64(s), rows)

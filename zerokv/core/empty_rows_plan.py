@@ -34,40 +34,35 @@ _NAMES = {
 
 def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
     """``objs``: (out, lse, cu_q, lens); ``names``: how the caller calls them (messages). The
-    bound calls of recent signatures first, then the plan of the call's
-    signature: its call, or the full validation and the launch."""
+    bound calls of recent signatures first, else the full validation, then the plan of the
+    call's signature: its bound call, or the launch of the checked call."""
     key = ("empty_rows", rule)
     done, calls = _plans.recent_call(key, objs, ())  # the bound calls of the signatures met last
     if done:
         return
-    f = _facts.read(_SPECS[rule], objs)
-    if f is None or f.device < 0:
-        v = validate(objs, rule, names or _NAMES[rule])
-        if v["device"] >= 0:  # pragma: no cover - every unreadable argument fails validation
-            raise RuntimeError("zerokv: the arguments passed validation but could not be read")
-        _cpu.empty_rows(v, rule_offsets=rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
+    c = validate(objs, rule, names or _NAMES[rule])
+    f = _facts.of(_SPECS[rule], c, objs)
+    if f.device < 0:
+        _cpu.empty_rows(c, rule_offsets=rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         return
-    plan = _plans.get(("empty_rows", rule, f.sig)) or _new_plan(f, rule, names)
+    plan = _plans.get(("empty_rows", rule, f.sig)) or _new_plan(f, c, rule)
     if not _plans.plan_call(key, plan, objs, (), calls):
-        plan.slow(f, rule, names)
+        plan.launch(f)
 
 
 python_run = run  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
-def _new_plan(f: Any, rule: int, names: tuple[str, ...] | None) -> Plan:
-    return _plans.lookup(("empty_rows", rule, f.sig), lambda: Plan(f, rule, names or _NAMES[rule]))
+def _new_plan(f: Any, c: _validation.Checked, rule: int) -> Plan:
+    return _plans.lookup(("empty_rows", rule, f.sig), lambda: Plan(f, c, rule))
 
 
-def validate(objs: tuple, rule: int, names: tuple[str, ...]) -> dict[str, Any]:
+def validate(objs: tuple, rule: int, names: tuple[str, ...]) -> _validation.Checked:
     """Every check of an empty-rows call (its spec's), with the caller's names (out, lse, cu,
     lens)."""
     spec = _SPECS[rule]
     shown = dict(zip((a.name for a in spec.args), names, strict=True))
-    c = _validation.validate(spec, objs, shown=shown)
-    t = c.tensors
-    lens = t["kv_lens"] if "kv_lens" in t else t["cu_seqlens_kv"]
-    return {"out": t["out"], "lse": t["lse"], "cu": t["cu_seqlens_q"], "lens": lens, "device": c.device}
+    return _validation.validate(spec, objs, shown=shown)
 
 
 _GRID_CACHE_LIMIT = 4096  # distinct (T, H, D) a plan keeps; past it, it starts again
@@ -80,19 +75,20 @@ class Consts:
 class Plan:
     """Every call of one empty-rows signature: the instantiation and the offsets' widths."""
 
-    def __init__(self, f: Any, rule: int, names: tuple[str, ...]) -> None:
-        v = validate(f.objs, rule, names)
-        o = v["out"]
-        self.device = v["device"]
+    def __init__(self, f: Any, c: _validation.Checked, rule: int) -> None:
+        """``c``: the first call's full validation."""
+        o, cu = c.tensors["out"], c.tensors["cu_seqlens_q"]
+        lens = c.tensors["cu_seqlens_kv" if rule == _kernels.RULE_CONTEXT_SPAN_EMPTY else "kv_lens"]
+        self.device = c.device
         self.vec = _kernels.vec(o.dtype) if f.sig[-2] else 1
         self.consts = Consts()
-        self.consts.q_is64 = int(v["cu"].dtype == "int64")
+        self.consts.q_is64 = int(cu.dtype == "int64")
         self.q_size = 8 if self.consts.q_is64 else 4
-        self.lens_size = 8 if v["lens"].dtype == "int64" else 4
+        self.lens_size = 8 if lens.dtype == "int64" else 4
         self.lens_extra = int(rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         targs = (_dtypes.ctype(o.dtype), self.vec, rule, int(self.lens_size == 8))
         self.launcher = _plans.launcher(_kernels.EMPTY_ROWS, targs, self.device)
-        self.bind = _kernels.EMPTY_ROWS.binder(("f", _facts.record(_SPECS[rule])), ("c", Consts))
+        self.get = _kernels.EMPTY_ROWS.getter(_facts.record(_SPECS[rule]), Consts)
         self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
         self.out_size = _dtypes.itemsize(o.dtype)
         self.stream = _device.torch_stream if f.torch else _device.cupy_stream
@@ -101,16 +97,14 @@ class Plan:
         self.in_size = self.out_size
         self.bound = _bind(self, f.objs, rule, targs)
 
-    def slow(self, f: Any, rule: int, names: tuple[str, ...] | None) -> None:
-        """A call the bound call did not take: the full checks (raising with the caller's
-        names), then the launch."""
-        validate(f.objs, rule, names or _NAMES[rule])
+    def launch(self, f: Any) -> None:
+        """A checked call the bound call did not take: its launch."""
         T, H, D = f.T, f.H, f.D
         if f.batch == 0 or T * H == 0:
             return
         f.flat = int(f.out_sh == D and f.out_st == H * D)
         grid = self.grids.get((T, H, D)) or self.grid(T, H, D)
-        self.launcher.launch(grid, 1, self.stream(self.device), self.bind, f, self.consts)
+        self.launcher.launch_values(grid, 1, self.stream(self.device), self.get(f, self.consts))
 
     def grid(self, T: int, H: int, D: int) -> int:
         """The grid of a size met for the first time, kept."""

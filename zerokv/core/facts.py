@@ -1,41 +1,37 @@
-"""Reading a call's arguments once into a named record of facts, derived from its op's spec: a
-signature's first call, and the calls its bound call (:mod:`zerokv.core.bound`) does not take.
+"""A validated call's facts as its kernels name them, derived from its op's spec: what a
+signature's first call builds its plan from, and what a call its bound call
+(:mod:`zerokv.core.bound`) does not take launches with.
 
 The record holds every tensor's pointer and strides under the names its spec gives them among
-the kernels' parameters (0 for an absent one), the symbols' sizes, and the call's signature
-part: each argument's dtype and device (None when absent), the vector alignment of the
-arguments that take part in it, and whether every tensor is torch's. torch tensors are read
-directly (``data_ptr``/``shape``/``stride``: no ``__dlpack__``, no stream handshake); every
-other producer through :func:`zerokv.core.tensors.view`. Nothing here validates: a reader that
-meets anything unexpected returns None and the op's full validation names it.
+the kernels' parameters (0 for an absent one), the symbols' sizes, and the call's signature:
+each argument's dtype, device and type (None when absent), the vector alignment of the
+arguments that take part in it, and the producer (True: every tensor torch's own type; False: none
+torch's; None: torch beside another producer or a torch subclass). Nothing is read here that
+the full validation (:mod:`zerokv.core.validation`) has not read and checked.
 """
 
 from __future__ import annotations
 
-from functools import cache
 from typing import Any
 
+from . import dtypes as _dtypes
 from . import layout as _layout
-from .generic_tensors import _family, generic
 from .spec import OpSpec
+from .tensors import torch_tensor_type
 
-_ITEMSIZE = {}  # dtype (torch object or name) -> bytes, filled as dtypes are met
-_UNREADABLE = (AttributeError, TypeError, ValueError, RuntimeError)  # RuntimeError: a sparse tensor
-
-
-def _itemsize(dtype: Any) -> int:
-    size = _ITEMSIZE.get(dtype)
-    if size is None:
-        from .checks import itemsize
-
-        size = _ITEMSIZE[dtype] = dtype.itemsize if hasattr(dtype, "itemsize") else itemsize(str(dtype))
-    return size
+_RECORDS: dict[str, type] = {}  # by the spec's name (hashing a spec walks all its rows)
 
 
-@cache
 def record(spec: OpSpec) -> type:
     """The record class of ``spec``'s calls: the kernels' parameter names of its arguments and
     options, its symbols, and what the op derives (``spec.derived``)."""
+    cls = _RECORDS.get(spec.name)
+    if cls is None:
+        cls = _RECORDS[spec.name] = _record(spec)
+    return cls
+
+
+def _record(spec: OpSpec) -> type:
     names = ["objs", "sig", "torch", "device"]
     for a in spec.all_args():
         names += a.params
@@ -46,58 +42,41 @@ def record(spec: OpSpec) -> type:
     return type(f"{spec.name}_facts", (), {"__slots__": tuple(dict.fromkeys(names))})
 
 
-def read(spec: OpSpec, objs: tuple, lse_ht: bool = False) -> Any:
-    """The facts of a call of ``spec`` (``objs`` in ``spec.all_args()`` order); None when an
-    argument cannot be read. ``lse_ht``: the LSEs are ``[H, T]`` tensors, read as their
-    ``[T, H]`` transposes (no view made)."""
-    try:
-        return _read(spec, objs, objs, True, lse_ht)  # torch tensors: any other object has no data_ptr
-    except _UNREADABLE:
-        try:
-            gen = tuple(generic(x) for x in objs)
-            return _read(spec, objs, gen, _family(gen), lse_ht)
-        except _UNREADABLE:
-            return None
-
-
-def _read(spec: OpSpec, objs: tuple, xs: tuple, torch: bool | None, ht: bool) -> Any:
-    """``xs``: the tensors (``objs`` or their generic facts); ``torch``: the producer part."""
-    f = record(spec)()
-    f.objs, f.torch = objs, torch is True
+def of(spec: OpSpec, checked: Any, objs: tuple) -> Any:
+    """The facts of a call of ``spec`` that the full validation accepted (``checked``, its
+    :class:`~zerokv.core.validation.Checked`); ``objs``: the caller's objects, in
+    ``spec.all_args()`` order (what its bound call is built from)."""
+    cls = record(spec)
+    f, slots = cls(), cls.__slots__
+    f.objs, f.device = objs, checked.device
     sig: list = []
-    ok, width, device = True, 0, None
-    args = spec.all_args()
-    for i, (a, x) in enumerate(zip(args, xs + (None,) * (len(args) - len(xs)), strict=True)):
-        if x is None:
-            if i < len(spec.args) and not a.optional:
-                raise TypeError(a.name)  # the full validation names it
+    ok, width, exact, any_torch, all_exact = True, 0, torch_tensor_type(), False, True
+    for a in spec.all_args():
+        t = checked.tensors.get(a.name)
+        if t is None:
             sig.append(None)
             for p in a.params:
                 setattr(f, p, 0)
             continue
-        dtype, dev, ptr = x.dtype, x.get_device(), x.data_ptr()
-        sig += (dtype, dev)
-        device = dev if device is None else device
-        shape, st = x.shape, x.stride()
-        if a.lse and ht:
-            shape, st = shape[::-1], st[::-1]
-        setattr(f, a.params[0], ptr)
-        for p, s in zip(a.params[1:], st, strict=False):
+        sig += (t.dtype, t.device, type(t.obj))
+        any_torch = any_torch or t.is_torch
+        all_exact = all_exact and type(t.obj) is exact
+        setattr(f, a.params[0], t.ptr)
+        for p, s in zip(a.params[1:], t.strides, strict=False):
             setattr(f, p, s)
-        for s, n in zip(a.shape, shape, strict=False):
-            if s.isidentifier() and not hasattr(f, s):
-                setattr(f, s, n)
-            elif s.endswith("+1") and not hasattr(f, s[:-2]):
-                setattr(f, s[:-2], n - 1)
         if a.vector:  # the pointer, outer strides and inner size on the signature's vector width
-            size = _ITEMSIZE.get(dtype) or _itemsize(dtype)
+            size = _dtypes.itemsize(t.dtype)
             width = width or _layout.vec(size)
             outer = 0
-            for s in st[:-1]:
+            for s in t.strides[:-1]:
                 outer |= s
-            ok = ok and _layout.aligned(ptr, size, width, outer | shape[-1])
+            ok = ok and _layout.aligned(t.ptr, size, width, outer | t.shape[-1])
+    for s, n in checked.sym.items():
+        if s in slots:
+            setattr(f, s, n)
     for p, s in spec.sym_params:
-        setattr(f, p, getattr(f, s, 0))
-    f.device = device
+        setattr(f, p, checked.sym.get(s, 0))
+    torch = True if all_exact else None if any_torch else False
+    f.torch = torch is True
     f.sig = (*sig, ok, torch)
     return f

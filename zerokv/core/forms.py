@@ -53,7 +53,7 @@ class Device(NamedTuple):
 
 class Form(NamedTuple):
     """One launch's kernel, template arguments, grid and the geometry values its parameters
-    take by name (``kernels.Kernel.binder`` reads them from here)."""
+    take by name (``kernels.Kernel.getter`` reads them from here)."""
 
     kernel: _kernels.Kernel
     targs: tuple

@@ -1,7 +1,7 @@
-"""Tensors of any producer in torch's spelling, for the readers of :mod:`zerokv.core.facts`.
+"""Tensors of any producer in torch's spelling, for the Python executor's reads of a bound call.
 
 A torch tensor is read as it is; any other DLPack producer once through
-:func:`zerokv.core.tensors.view` into a small record with the same methods the readers call.
+:func:`zerokv.core.tensors.view` into a small record with the same methods the reads call.
 """
 
 from __future__ import annotations
@@ -38,20 +38,6 @@ def generic(x: Any) -> Any:
     if x is None or type(x) is torch_tensor_type():
         return x
     return _Generic(x)
-
-
-def _family(gen: tuple) -> bool | None:
-    """The signature's producer part: True when every tensor is torch's, False when none is,
-    None for torch beside another producer (a signature of its own: its validation decides,
-    and on a GPU raises, ``checks.one_library_on_gpu``)."""
-    any_generic = torch_seen = False
-    for g in gen:
-        if type(g) is _Generic:
-            any_generic = True
-            torch_seen = torch_seen or g.is_torch
-        elif g is not None:
-            torch_seen = True
-    return (None if torch_seen else False) if any_generic else True
 
 
 def writable_cheap(x: Any) -> bool:

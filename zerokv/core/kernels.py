@@ -59,24 +59,21 @@ class Kernel:
             offset += pad + size
         return struct.Struct(fmt)
 
-    def binder(self, *sources: tuple[str, type]) -> Callable[..., None]:
-        """``bind(buf, *records)``: packs every parameter into ``buf`` by name, each from the
-        first record (``(variable, class)`` in ``sources``, classes with ``__slots__``) that
-        holds an attribute of that name. Generated once from the description: a missing name
-        fails here, and a launch costs one positional ``pack_into``."""
-        exprs = []
+    def getter(self, *sources: type) -> Callable[..., list]:
+        """``get(*records)``: every parameter's value in the kernel's order, each from the first
+        record (of the classes ``sources``, with ``__slots__`` or NamedTuple fields) whose class
+        holds that name. A name no class holds fails here, once."""
+        where = []
         for name, _ in self.params:
-            var = next((v for v, cls in sources if name in _slots(cls)), None)
-            if var is None:
-                raise TypeError(
-                    f"{self.name}: no record among {[c.__name__ for _, c in sources]} holds {name}"
-                )
-            exprs.append(f"{var}.{name}")
-        args = ", ".join(v for v, _ in sources)
-        code = f"def bind(buf, {args}):\n    pack_into(buf, 0, {', '.join(exprs)})\n"
-        scope = {"pack_into": self.packer.pack_into}
-        exec(compile(code, f"<{self.name} binder>", "exec"), scope)
-        return scope["bind"]
+            i = next((i for i, cls in enumerate(sources) if name in _slots(cls)), None)
+            if i is None:
+                raise TypeError(f"{self.name}: no record among {[c.__name__ for c in sources]} holds {name}")
+            where.append((i, name))
+
+        def get(*records: object) -> list:
+            return [getattr(records[i], name) for i, name in where]
+
+        return get
 
     def pack(self, **values: float) -> bytes:
         """Pack by parameter name (slow, for tests and one-off launches); every name required."""

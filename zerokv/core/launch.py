@@ -89,21 +89,11 @@ class Launcher:
     def __call__(self, grid: int, stream: int, *args: Any, grid_y: int = 1) -> None:
         """Launch ``grid`` (x ``grid_y``) blocks on ``stream`` with ``args`` in the kernel's
         parameter order."""
-        self.launch(grid, grid_y, stream, self._positional, *args)
-
-    def _positional(self, buf: Any, *args: Any) -> None:
-        self.pack_into(buf, 0, *args)
-
-    def launch(self, grid: int, grid_y: int, stream: int, bind: Any, *records: Any) -> None:
-        """Launch with the arguments packed by name: ``bind(buffer, *records)`` (a
-        ``Kernel.binder``) fills the argument buffer; then ``cuLaunchKernel`` of it, in the
-        device's context (the one launch body: the calls' hot path)."""
-        bind(_arena.buf, *records)
-        self.fire(grid, grid_y, stream)
+        self.launch_values(grid, grid_y, stream, args)
 
     def launch_values(self, grid: int, grid_y: int, stream: int, values: Sequence[Any]) -> None:
-        """Launch with ``values`` (a tuple or a list), every parameter in the kernel's order (a
-        bound call's)."""
+        """Launch with ``values`` (a tuple or a list), every parameter in the kernel's order: one
+        ``pack_into`` of them, then ``cuLaunchKernel`` (the one launch body)."""
         self.pack_into(_arena.buf, 0, *values)
         self.fire(grid, grid_y, stream)
 

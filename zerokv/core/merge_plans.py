@@ -1,11 +1,10 @@
 """The two-way merge's one path: the bound call of the call's signature (:mod:`zerokv.core.bound`,
 derived from the spec: read, cheap check, form, pack by name, launch), found among the recent
-ones of the call's scalar arguments, else through the facts and the plan of its signature.
-
-A plan is built (and the call fully validated, :mod:`zerokv.core.merge_checks`) on the first
-call of a signature; a call its bound call does not take runs the full validation, which
-raises with the caller's argument names or lets a valid call through its exact rules. Host
-tensors take the CPU path after the same validation.
+ones of the call's scalar arguments; else the full validation (:mod:`zerokv.core.merge_checks`),
+which raises with the caller's argument names, then the plan of the call's signature (built
+on its first call) by its facts (:mod:`zerokv.core.facts`): its bound call, or, for a call that
+takes none (a negative stride, say), the launch from the facts. Host tensors take the CPU
+path after the same validation.
 """
 
 from __future__ import annotations
@@ -38,17 +37,15 @@ class Consts:
     __slots__ = ("k", "inv_k", "suffix_verbatim", "a_is64", "prefix_rows", "ue8m0")
 
 
-_binders: dict = {}
+_getters: dict = {}
 
 
-def _binder(kernel: Any, facts_cls: type) -> Any:
-    """The by-name packer of ``kernel`` from (call facts, form, plan constants)."""
-    b = _binders.get((kernel.name, facts_cls))
-    if b is None:
-        b = _binders[kernel.name, facts_cls] = kernel.binder(
-            ("f", facts_cls), ("g", _forms.Form), ("c", Consts)
-        )
-    return b
+def getter(kernel: Any, facts_cls: type) -> Any:
+    """``get(facts, form, plan constants)``: ``kernel``'s parameters by name, in its order."""
+    g = _getters.get((kernel.name, facts_cls))
+    if g is None:
+        g = _getters[kernel.name, facts_cls] = kernel.getter(facts_cls, _forms.Form, Consts)
+    return g
 
 
 class Plan:
@@ -96,7 +93,7 @@ class Plan:
         return _outputs.new(like, False, self.device, shape, "float32" if lse else self.out_dtype)
 
     def form_entry(self, key: tuple, H: int, D: int, build: Any) -> tuple:
-        """The entry ``(form, launcher, binder, adapt)`` of ``key`` (T, then the other facts that
+        """The entry ``(form, launcher, getter, adapt)`` of ``key`` (T, then the other facts that
         choose the form), kept in ``self.forms``; one form per interval of ``forms.t_breaks``, so
         a new T costs a bisection. ``build(key)`` -> ``(form, facts class, adapt)`` on an
         interval's first call; ``adapt``: None, or makes the facts the form's kernel reads."""
@@ -113,7 +110,7 @@ class Plan:
         if entry is None:
             form, facts_cls, adapt = build(key)
             launcher = _plans.launcher(form.kernel, form.targs, self.device)
-            entry = by_class[i] = (form, launcher, _binder(form.kernel, facts_cls), adapt)
+            entry = by_class[i] = (form, launcher, getter(form.kernel, facts_cls), adapt)
         if len(self.forms) >= _FORM_CACHE_LIMIT:
             self.forms.clear()
         self.forms[key] = entry
@@ -158,12 +155,13 @@ def two(
         raise
     if r is not None:
         return r
-    f = _facts.read(_spec.MERGE_STATE, objs, lse_ht is not None)
-    if f is None or f.device < 0:
-        return _cpu_two(objs, scalars, prefix_rows, names, lse_ht)
-    plan = _plans.get((scalars, f.sig)) or _new_plan(f, scalars, prefix_rows, names, lse_ht)
+    v = _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, _opts(scalars))
+    f = _facts.of(_spec.MERGE_STATE, v, objs)
+    if f.device < 0:
+        return _cpu_two(v, objs, scalars, prefix_rows)
+    plan = _plans.get((scalars, f.sig)) or _new_plan(f, v, scalars, lse_ht)
     r = _plans.plan_call(scalars, plan, objs, (prefix_rows,), calls)
-    return r if r is not None else plan.slow(f, prefix_rows, names, scalars, lse_ht)
+    return r if r is not None else plan.launch(f, prefix_rows)
 
 
 # The entry's arguments: two's parameters, then the spec's options after those it names; its
@@ -183,9 +181,9 @@ _opts = LAYOUT.option_scalars  # a call's option scalars (the full checks'), fro
 python_two = two  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
-def _new_plan(f: Any, scalars: tuple, prefix_rows: Any, names: Any, lse_ht: Any) -> TwoPlan:
+def _new_plan(f: Any, v: Any, scalars: tuple, lse_ht: Any) -> TwoPlan:
     """The plan of a signature met for the first time (built once, under the plans' lock)."""
-    return _plans.lookup((scalars, f.sig), lambda: TwoPlan(f, scalars, prefix_rows, names, lse_ht))
+    return _plans.lookup((scalars, f.sig), lambda: TwoPlan(f, v, scalars, lse_ht))
 
 
 def _th_views(objs: tuple, lse_ht: Any, names: dict | None) -> tuple:
@@ -199,12 +197,8 @@ def _th_views(objs: tuple, lse_ht: Any, names: dict | None) -> tuple:
     return (v_a, s_a, v_b, s_b, out, out_lse, *rest)
 
 
-def _cpu_two(
-    objs: tuple, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any
-) -> tuple[Any, Any]:
-    objs = _th_views(objs, lse_ht, names)
-    v = _merge_checks.two(objs, scalars[0], prefix_rows, names, _opts(scalars))
-    host_only(v.device)
+def _cpu_two(v: Any, objs: tuple, scalars: tuple, prefix_rows: Any) -> tuple[Any, Any]:
+    """The checked call ``v`` on the host: the float64 reference, written back."""
     T, H, D = v.sym["T"], v.sym["H"], v.sym["D"]
     t = v.tensors
     out, out_lse, o, ol = cpu_outputs(
@@ -227,19 +221,12 @@ def cpu_outputs(like: Any, out: Any, out_lse: Any, o: Any, ol: Any, shape: tuple
     return out, out_lse, o, ol
 
 
-def host_only(device: int) -> None:
-    if device >= 0:  # pragma: no cover - every unreadable argument fails validation
-        raise RuntimeError("zerokv: the arguments passed validation but could not be read")
-
-
 class TwoPlan(Plan):
     """Every call of one two-way merge signature: element types, vector width, features,
     constants, and the forms met so far by (T, H, D, layout)."""
 
-    def __init__(self, f: Any, scalars: tuple, prefix_rows: Any, names: dict | None, lse_ht: Any) -> None:
-        v = _merge_checks.two(
-            _th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, _opts(scalars)
-        )  # every check, once
+    def __init__(self, f: Any, v: Any, scalars: tuple, lse_ht: Any) -> None:
+        """``v``: the first call's full validation."""
         t = v.tensors
         self._setup(v, t["v_a"].dtype, t.get("out"), f.sig[-2], f.torch)
         self.features = frozenset(o.feature for o in _spec.MERGE_STATE.options if o.name in v.options)
@@ -254,10 +241,9 @@ class TwoPlan(Plan):
         self.allocate_lse = scalars[3]
         self.bound = _bind_two(self, f.objs, lse_ht is not None, scalars[1])
 
-    def slow(self, f: Any, prefix_rows: Any, names: dict | None, scalars: tuple, lse_ht: Any):
-        """A call the bound call did not take: the full checks (raising with the caller's
-        names), then the exact widths of any layout they accept, then the launch."""
-        _merge_checks.two(_th_views(f.objs, lse_ht, names), scalars[0], prefix_rows, names, _opts(scalars))
+    def launch(self, f: Any, prefix_rows: Any) -> tuple[Any, Any]:
+        """A checked call the bound call did not take: the exact widths of its layout (any
+        layout, any sign of stride), then its launch."""
         f.prefix_rows = f.T if prefix_rows is None else prefix_rows
         f.rows = f.T * f.H
         widest, s32 = exact(_spec.MERGE_STATE, f, self)
@@ -278,9 +264,9 @@ class TwoPlan(Plan):
         key = (T, H, D, inplace, fits, s32, tiles)
         if self.a_empty:  # its batch past the window or not (the bound call's key too)
             key += (f.a_batch > _kernels.A_WINDOW,)
-        form, launcher, bind, _ = self.forms.get(key) or self.form_entry(key, H, D, self._form)
+        form, launcher, get, _ = self.forms.get(key) or self.form_entry(key, H, D, self._form)
         grid, grid_y = _forms.launch_grid(form, T)
-        launcher.launch(grid, grid_y, self.stream(self.device), bind, f, form, self.consts)
+        launcher.launch_values(grid, grid_y, self.stream(self.device), get(f, form, self.consts))
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:

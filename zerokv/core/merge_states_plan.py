@@ -16,7 +16,7 @@ from . import merge_checks as _merge_checks
 from . import plans as _plans
 from . import spec as _spec
 from .layout import INT32
-from .merge_plans import Plan, _allocator, cpu_outputs, exact, host_only
+from .merge_plans import Plan, _allocator, cpu_outputs, exact
 
 
 def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
@@ -30,19 +30,20 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
         raise
     if r is not None:
         return r
-    f = _facts.read(_spec.MERGE_STATES, objs)
-    if f is None or f.device < 0:
-        return _cpu_n(objs, scalars)
-    plan = _plans.get(("n", scalars, f.sig)) or _new_plan(f, scalars)
+    v = _merge_checks.n(objs, scalars[0], _quant(scalars))
+    f = _facts.of(_spec.MERGE_STATES, v, objs)
+    if f.device < 0:
+        return _cpu_n(v, objs, scalars)
+    plan = _plans.get(("n", scalars, f.sig)) or _new_plan(f, v, scalars)
     r = _plans.plan_call(key, plan, objs, (), calls)
-    return r if r is not None else plan.slow(f, scalars)
+    return r if r is not None else plan.launch(f)
 
 
 python_n = n  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
-def _new_plan(f: Any, scalars: tuple) -> NPlan:
-    return _plans.lookup(("n", scalars, f.sig), lambda: NPlan(f, scalars))
+def _new_plan(f: Any, v: Any, scalars: tuple) -> NPlan:
+    return _plans.lookup(("n", scalars, f.sig), lambda: NPlan(f, v, scalars))
 
 
 def _quant(scalars: tuple) -> tuple:
@@ -50,9 +51,8 @@ def _quant(scalars: tuple) -> tuple:
     return scalars[2] if len(scalars) > 2 else (None, "float32")
 
 
-def _cpu_n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
-    v = _merge_checks.n(objs, scalars[0], _quant(scalars))
-    host_only(v.device)
+def _cpu_n(v: Any, objs: tuple, scalars: tuple) -> tuple[Any, Any]:
+    """The checked call ``v`` on the host: the float64 reference, written back."""
     t = v.tensors
     out, out_lse, o, ol = cpu_outputs(
         t["v"], objs[2], objs[3], t.get("out"), t.get("out_lse"), t["v"].shape[1:], scalars[1]
@@ -65,8 +65,8 @@ class NPlan(Plan):
     """Every call of one merge_states signature; N = 2 without sinks or fp8 scale takes
     merge_state's flat forms (they move the data faster than the N-way loop)."""
 
-    def __init__(self, f: Any, scalars: tuple) -> None:
-        v = _merge_checks.n(f.objs, scalars[0], _quant(scalars))
+    def __init__(self, f: Any, v: Any, scalars: tuple) -> None:
+        """``v``: the first call's full validation."""
         self._setup(v, v.tensors["v"].dtype, v.tensors.get("out"), f.sig[-2], f.torch)
         self.plain = not v.options
         self.group = v.scalars.get("quant_group") or 0
@@ -77,10 +77,9 @@ class NPlan(Plan):
         self.consts.prefix_rows = 0
         self.bound = _bind_n(self, f.objs)
 
-    def slow(self, f: Any, scalars: tuple) -> tuple[Any, Any]:
-        """A call the bound call did not take: the full checks (raising with the caller's
-        names), the exact widths of any layout they accept, then the launch."""
-        _merge_checks.n(f.objs, scalars[0], _quant(scalars))
+    def launch(self, f: Any) -> tuple[Any, Any]:
+        """A checked call the bound call did not take: the exact widths of its layout (any
+        layout, any sign of stride), then its launch."""
         widest, s32 = exact(_spec.MERGE_STATES, f, self)
         N, T, H, D = f.N, f.T, f.H, f.D
         out, out_lse = self.outputs(f, f.objs[2], f.objs[3], T, H, D)
@@ -88,11 +87,10 @@ class NPlan(Plan):
             return out, out_lse
         tiles = f.ol_st == 1 and f.ol_sh != 1 if f.olse else f.s_st == 1 and f.s_sh != 1
         key = (T, N, H, D, widest < INT32, s32, tiles)
-        form, launcher, bind, adapt = self.forms.get(key) or self.form_entry(key, H, D, self._form)
+        form, launcher, get, adapt = self.forms.get(key) or self.form_entry(key, H, D, self._form)
         grid, grid_y = _forms.launch_grid(form, T)
-        launcher.launch(
-            grid, grid_y, self.stream(self.device), bind, f if adapt is None else adapt(f), form, self.consts
-        )
+        values = get(f if adapt is None else adapt(f), form, self.consts)
+        launcher.launch_values(grid, grid_y, self.stream(self.device), values)
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:

@@ -1,6 +1,6 @@
 """cp_merge's kernel launches on the ops' one path: a plan per signature (kernel, template
-arguments, device) found by one lookup, the arguments packed by name from the kernel's
-description (``Kernel.binder``), one ``cuLaunchKernel`` on the caller's stream.
+arguments, device) found by one lookup, the arguments by name put in the order of the kernel's
+description, one ``cuLaunchKernel`` on the caller's stream.
 
 The call's facts are its ``args.Args``: from the signature's plan and its bound call
 (:mod:`.plan`), or from the full validation; each launch names every parameter of its
@@ -16,9 +16,9 @@ from ..core.kernels import Kernel
 
 
 class _Plan:
-    """One instantiation: its launcher, its record class (a slot per parameter) and binder."""
+    """One instantiation: its launcher and its parameters' names in the kernel's order."""
 
-    __slots__ = ("launcher", "record", "bind", "names")
+    __slots__ = ("launcher", "params", "names")
 
     def __init__(self, kernel: Kernel, targs: tuple, device: int, names: frozenset[str]) -> None:
         params = tuple(n for n, _ in kernel.params)
@@ -26,8 +26,7 @@ class _Plan:
             raise TypeError(
                 f"{kernel.name}: missing {sorted(set(params) - names)}, unknown {sorted(names - set(params))}"
             )
-        self.record = type(f"{kernel.name}_args", (), {"__slots__": params})
-        self.bind = kernel.binder(("a", self.record))
+        self.params = params
         self.launcher = _plans.launcher(kernel, targs, device)
         self.names = names
 
@@ -38,7 +37,4 @@ def launch(kernel: Kernel, targs: tuple, device: int, grid: int, stream: int, **
     plan = _plans.get(key)
     if plan is None:
         plan = _plans.lookup(key, lambda: _Plan(kernel, targs, device, frozenset(values)))
-    rec = plan.record()
-    for name, value in values.items():
-        setattr(rec, name, value)
-    plan.launcher.launch(grid, 1, stream, plan.bind, rec)
+    plan.launcher.launch_values(grid, 1, stream, [values[n] for n in plan.params])
