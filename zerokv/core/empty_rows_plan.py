@@ -83,9 +83,7 @@ class Plan:
         self.vec = _kernels.vec(o.dtype) if f.sig[-2] else 1
         self.consts = Consts()
         self.consts.q_is64 = int(cu.dtype == "int64")
-        self.q_size = 8 if self.consts.q_is64 else 4
         self.lens_size = 8 if lens.dtype == "int64" else 4
-        self.lens_extra = int(rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         targs = (_dtypes.ctype(o.dtype), self.vec, rule, int(self.lens_size == 8))
         self.launcher = _plans.launcher(_kernels.EMPTY_ROWS, targs, self.device)
         self.get = _kernels.EMPTY_ROWS.getter(_facts.record(_SPECS[rule]), Consts)

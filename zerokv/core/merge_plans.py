@@ -73,24 +73,18 @@ class Plan:
             self.t_f32, self.empty = t.float32, t.empty
             # a device object, and sizes passed one by one below: torch parses both fastest
             self.alloc_device = t.device("cuda", self.device) if self.device >= 0 else t.device("cpu")
+        self.allocators = (_allocator(self, False), _allocator(self, True))
 
     def outputs(self, f: Any, out: Any, out_lse: Any, T: int, H: int, D: int) -> tuple[Any, Any]:
         """The call's outputs, those it left as None allocated (the LSE only where the signature
         asks for it), their facts written into ``f``."""
         if out is None:
-            out = self.new(f.objs[0], (T, H, D), False)
-            f.out, f.out_st, f.out_sh = out.data_ptr() if self.torch else _outputs.ptr(out), H * D, D
+            out, f.out = self.allocators[0]((T, H, D), f.objs[0])
+            f.out_st, f.out_sh = H * D, D
         if out_lse is None and self.allocate_lse:
-            out_lse = self.new(f.objs[0], (T, H), True)
-            f.olse, f.ol_st, f.ol_sh = out_lse.data_ptr() if self.torch else _outputs.ptr(out_lse), H, 1
+            out_lse, f.olse = self.allocators[1]((T, H), f.objs[0])
+            f.ol_st, f.ol_sh = H, 1
         return out, out_lse
-
-    def new(self, like: Any, shape: tuple, lse: bool) -> Any:
-        """An output of the call's family on its device (``like``: its first tensor): the LSE
-        (float32) or V (out dtype)."""
-        if self.torch:
-            return self.empty(*shape, dtype=self.t_f32 if lse else self.t_out, device=self.alloc_device)
-        return _outputs.new(like, False, self.device, shape, "float32" if lse else self.out_dtype)
 
     def form_entry(self, key: tuple, H: int, D: int, build: Any) -> tuple:
         """The entry ``(form, launcher, getter, adapt)`` of ``key`` (T, then the other facts that
@@ -236,8 +230,6 @@ class TwoPlan(Plan):
         self.consts.ue8m0 = int(v.scalars["scale_format"] == "ue8m0")
         self.quant_group = v.scalars.get("quant_group") or 0
         self.option_scalars = {n: v.scalars.get(n) for n in _entry.OPTION_SCALARS}
-        self.idx_size = 8 if self.consts.a_is64 else 4
-        self.mask_size = 1
         self.allocate_lse = scalars[3]
         self.bound = _bind_two(self, f.objs, lse_ht is not None, scalars[1])
 
@@ -316,11 +308,11 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
     if objs[4] is None:
         k = t.allocated(_spec.MERGE_STATE.args[4])
         t.add(A.OP_ALLOC, 4, len(allocators), k, 3, T, H, D)
-        allocators.append(_allocator(plan, False))
+        allocators.append(plan.allocators[0])
     if objs[5] is None and plan.allocate_lse:
         k = t.allocated(_spec.MERGE_STATE.args[5])
         t.add(A.OP_ALLOC, 5, len(allocators), k, 2, T, H)
-        allocators.append(_allocator(plan, True))
+        allocators.append(plan.allocators[1])
     widest = t.arith(A.A_MAX, A.R_WIDEST, t.arith(A.A_MUL, rows, D))
     if objs[5] is not None or plan.allocate_lse:
         pl, l0, l1 = t.regs["olse"], t.regs["ol_st"], t.regs["ol_sh"]
@@ -355,8 +347,10 @@ def _allocator(plan: Plan, lse: bool):
         alloc_torch.direct = (empty, dtype, device)  # the compiled executor calls empty itself
         return alloc_torch
 
+    dtype_name = "float32" if lse else plan.out_dtype
+
     def alloc(shape: tuple, like: Any) -> tuple:
-        x = plan.new(like, shape, lse)
+        x = _outputs.new(like, False, plan.device, shape, dtype_name)
         return x, _outputs.ptr(x)
 
     return alloc

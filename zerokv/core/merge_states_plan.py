@@ -16,7 +16,7 @@ from . import merge_checks as _merge_checks
 from . import plans as _plans
 from . import spec as _spec
 from .layout import INT32
-from .merge_plans import Plan, _allocator, cpu_outputs, exact
+from .merge_plans import Plan, cpu_outputs, exact
 
 
 def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
@@ -173,5 +173,4 @@ def _bind_n(plan: NPlan, objs: tuple) -> _bound.BoundCall | None:
         names = regs if form.kernel is _kernels.MERGE_STATES else two
         return _binding.entry_for(names, plan, form, launcher, T_, H_, D_)
 
-    allocators = (_allocator(plan, False), _allocator(plan, True))
-    return t.bound("merge_states", plan, 7, resolve, (2, 3), allocators, (*regs.values(), *two.values()))
+    return t.bound("merge_states", plan, 7, resolve, (2, 3), plan.allocators, (*regs.values(), *two.values()))
