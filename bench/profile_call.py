@@ -4,7 +4,7 @@
 
 Rows (µs, median of interleaved rounds, and × ``torch.mul(out=)``): the public ``merge_state``
 through the C and the Python executor (the same tensors, and a new T every call as an engine
-calls), each executor alone on a bound call, every option, the ``[H, T]`` LSE, allocated
+calls; a call no recent bound call takes, and an empty one), each executor alone on a bound call, every option, the ``[H, T]`` LSE, allocated
 outputs, each adapter, ``torch.ops.zerokv``, the empty-row ops and ``merge_states``; the new-T
 rows' loop around a no-op (its cost is in each of them). ``--cpu``:
 CPU tensors down the GPU path with launches counted, not made (``zerokv.testing``), and
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import statistics
 import sys
@@ -113,10 +114,16 @@ def _calls(zk: Any, torch: Any, dev: str, T: int, only_plain: bool = False) -> d
     ms = zk.merge_state
     calls = {"public call": lambda: ms(va, sa, vb, sb, out=out, out_lse=ol)}
     calls["public call, new T"] = _new_t(ms, torch, dev)
+    # the calls no recent bound call takes: the full validation, the plan of the signature by
+    # its facts, then its bound call (none among the recent: cleared), or the launch from the
+    # facts (T = 0: no bound call takes an empty call, nothing is launched)
+    plans = importlib.import_module(f"{zk.__name__}.core.plans")
+    calls["no recent bound call"] = lambda: (plans.recent.clear(), ms(va, sa, vb, sb, out=out, out_lse=ol))
+    va0, sa0, vb0, sb0, out0, ol0 = (x[:0] for x in (va, sa, vb, sb, out, ol))
+    calls["T = 0"] = lambda: ms(va0, sa0, vb0, sb0, out=out0, out_lse=ol0)
     if only_plain:
         return calls
     from zerokv.compat import flashinfer, sglang, vllm
-    from zerokv.core import plans
 
     sa_ht, sb_ht, ol_ht = (torch.randn(H, T, device=dev) for _ in range(3))
     sa_t, sb_t, ol_t = sa_ht.T, sb_ht.T, ol_ht.T  # [H, T] buffers as [T, H] views, made once
@@ -191,7 +198,6 @@ def _load_other(directory: str, cpu: bool) -> tuple[Any, Any]:
     """Another zerokv package directory as a package of its own name in this process (its
     ``__init__`` not run, so it registers no torch ops beside this one's), and the block that
     routes its calls as ``record_launches`` routes this one's (on a GPU: nothing)."""
-    import importlib
     import os
     import types
 
@@ -227,7 +233,7 @@ def _load_other(directory: str, cpu: bool) -> tuple[Any, Any]:
                 setattr(obj, attr, value)
             mods["plans"].clear_plans()
 
-    return types.SimpleNamespace(merge_state=merge.merge_state), route
+    return types.SimpleNamespace(merge_state=merge.merge_state, __name__=name), route
 
 
 class _Counted:

@@ -5,6 +5,7 @@ down the GPU path with the launchers replaced by recorders (test_launch_paths)."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from states import layout_states as _states
@@ -43,6 +44,10 @@ def _calls(T: int) -> list:
         ("no out_lse", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out)),
         ("allocated", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b)),
         ("prefix_rows", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, prefix_rows=T // 2)),
+        (  # a scheduler's numpy count: the bound call of the Python int's signature takes it
+            "prefix_rows numpy",
+            lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, prefix_rows=np.int64(T // 2)),
+        ),
         ("a_empty int32", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, a_empty=(cu32, kv32))),
         ("a_empty int64", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, a_empty=(cu64, kv64))),
         ("sinks", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse, sinks=sinks)),

@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import numpy as np
+
 from . import binding as _binding
 from . import bound as _bound
 from . import checks as _checks
@@ -125,6 +127,8 @@ def two(
     transposes; a function ``(lse, name) -> [T, H] view`` for the full checks (the adapter's
     messages). ``more``: the spec's options after those written here, in its order
     (:class:`zerokv.core.entry_args.Layout`)."""
+    if type(prefix_rows) is not int and isinstance(prefix_rows, np.integer):
+        prefix_rows = int(prefix_rows)  # a scheduler's numpy count: the bound calls take Python ints
     if a_empty is None:
         cu = lens = None
     elif type(a_empty) is tuple and len(a_empty) == 2:
