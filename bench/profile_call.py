@@ -4,7 +4,8 @@
 
 Rows (µs, median of interleaved rounds, and × ``torch.mul(out=)``): the public ``merge_state``
 through the C and the Python executor (the same tensors, and a new T every call as an engine
-calls; a call no recent bound call takes, and an empty one), each executor alone on a bound call, every option, the ``[H, T]`` LSE, allocated
+calls; a call no recent bound call takes, 12 signatures in turn, an empty call), each executor
+alone on a bound call, every option, the ``[H, T]`` LSE, allocated
 outputs, each adapter, ``torch.ops.zerokv``, the empty-row ops and ``merge_states``; the new-T
 rows' loop around a no-op (its cost is in each of them). ``--cpu``:
 CPU tensors down the GPU path with launches counted, not made (``zerokv.testing``), and
@@ -121,6 +122,7 @@ def _calls(zk: Any, torch: Any, dev: str, T: int, only_plain: bool = False) -> d
     calls["no recent bound call"] = lambda: (plans.recent.clear(), ms(va, sa, vb, sb, out=out, out_lse=ol))
     va0, sa0, vb0, sb0, out0, ol0 = (x[:0] for x in (va, sa, vb, sb, out, ol))
     calls["T = 0"] = lambda: ms(va0, sa0, vb0, sb0, out=out0, out_lse=ol0)
+    calls["12 signatures in turn"] = _signatures(ms, torch, dev, T)
     if only_plain:
         return calls
     from zerokv.compat import flashinfer, sglang, vllm
@@ -175,6 +177,37 @@ class _Made:
     """A step whose callable is made inside its executor's block (``make()``)."""
 
     make: Any = None
+
+
+def _signatures(ms: Any, torch: Any, dev: str, T: int) -> Any:
+    """Calls of 12 signatures with the same scalar arguments, in turn (3 dtypes, each with and
+    without out_lse, an unaligned out, sinks): a process that meets several."""
+    calls = []
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        va, vb, out = (torch.randn(T, H, D, device=dev).to(dt) for _ in range(3))
+        sa, sb, ol = (torch.randn(T, H, device=dev) for _ in range(3))
+        odd = torch.empty(T * H * D + 1, dtype=dt, device=dev)[1:].view(T, H, D)
+        sinks = torch.randn(H, device=dev)
+        calls += [
+            lambda a=(va, sa, vb, sb), o=out, ol=ol: ms(*a, out=o, out_lse=ol),
+            lambda a=(va, sa, vb, sb), o=out: ms(*a, out=o),
+            lambda a=(va, sa, vb, sb), o=odd, ol=ol: ms(*a, out=o, out_lse=ol),
+            lambda a=(va, sa, vb, sb), o=out, ol=ol, s=sinks: ms(*a, out=o, out_lse=ol, sinks=s),
+        ]
+    state = [0]
+
+    def call() -> None:
+        i = state[0] = (state[0] + 1) % 12
+        calls[i]()
+
+    def warm() -> Any:  # each signature's first call made before the timing
+        for c in calls:
+            c()
+        return call
+
+    made = _Made()
+    made.make = warm
+    return made
 
 
 def _new_t(fn: Any, torch: Any, dev: str) -> Any:

@@ -43,9 +43,12 @@ def lookup(key: Any, build: Callable[[], Any]) -> Any:
 get = _plans.get  # the plan stored under a key, or None: the calls' one lookup
 
 # scalar arguments -> the bound calls of the signatures met last with them, latest first: a
-# call tries these before it reads its signature
+# call tries these before the full validation. A bound call that refuses a call costs little
+# (it stops at the first tensor of another dtype, device or type); a call none takes costs the
+# validation, so a process's every signature of one set of scalars fits (devices, dtypes,
+# option sets, alignments).
 recent: dict[Any, tuple] = {}
-RECENT = 8
+RECENT = 32
 
 
 def recent_call(key: Any, objs: tuple, scalars: tuple) -> tuple[Any, tuple | None]:
