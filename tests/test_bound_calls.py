@@ -140,6 +140,62 @@ def test_bound_calls_launch_what_the_validated_path_launches(recorded, monkeypat
         assert got == want, name
 
 
+def test_a_dozen_signatures_met_in_turn_each_take_their_own_bound_call(counted):
+    """Twelve signatures of the same scalar arguments (three dtypes, each with and without an
+    LSE out, an unaligned out, sinks) called in turn: after each one's first call, no call is
+    validated again or read into facts, and each launches what its validated first call did."""
+    log, seen = counted
+    T = 24
+    calls = []
+    for dt in (BF, torch.float16, torch.float32):
+        v_a, s_a, v_b, s_b = (x.to(dt) if x.dim() == 3 else x for x in _states(T, H, D, seed=len(calls)))
+        a = (v_a, s_a, v_b, s_b)
+        out, out_lse = torch.empty(T, H, D, dtype=dt), torch.empty(T, H)
+        odd = torch.empty(T * H * D + 1, dtype=dt)[1:].view(T, H, D)
+        sinks = torch.randn(H)
+        calls += [
+            lambda a=a, o=out, ol=out_lse: zerokv.merge_state(*a, out=o, out_lse=ol),
+            lambda a=a, o=out: zerokv.merge_state(*a, out=o),
+            lambda a=a, o=odd, ol=out_lse: zerokv.merge_state(*a, out=o, out_lse=ol),
+            lambda a=a, o=out, ol=out_lse, k=sinks: zerokv.merge_state(*a, out=o, out_lse=ol, sinks=k),
+        ]
+    first = []
+    for call in calls:
+        call()
+        first.append(log[-1])
+    assert seen["validate"] == len(calls)  # twelve signatures: each its own plan
+    seen["validate"] = seen["facts"] = 0
+    for _ in range(2):
+        for call, want in zip(calls, first, strict=True):
+            launched = len(log)
+            call()
+            assert len(log) == launched + 1 and log[-1] == want
+    assert seen == {"validate": 0, "facts": 0}
+
+
+def test_a_call_no_bound_call_takes_is_validated_once_and_launched_from_its_facts(counted):
+    """A later call its signature's bound call refuses (numpy arrays read backwards: a negative
+    token stride) runs the full validation once and launches from the facts of that validation:
+    the pointer of its first token, the strides as they are; what the bound call launches for
+    the same memory read forwards differs only there."""
+    log, seen = counted
+    T = 20
+    v_a, s_a, v_b, s_b = (x.float().numpy() for x in _states(T, H, D))
+    out, out_lse = np.empty((T, H, D), np.float32), np.empty((T, H), np.float32)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse)
+    forwards = log[-1]
+    for _ in range(2):
+        seen["validate"] = seen["facts"] = 0
+        zerokv.merge_state(v_a[::-1], s_a, v_b, s_b, out=out, out_lse=out_lse)
+        assert seen == {"validate": 1, "facts": 1}
+        got = log[-1]
+        assert got[:2] == forwards[:2]
+        va_st = got[3]["va_st"]
+        assert va_st == -H * D and got[3]["va"] == v_a.ctypes.data + (T - 1) * H * D * 4
+        same = {k: v for k, v in got[3].items() if k not in ("va", "va_st")}
+        assert same == {k: v for k, v in forwards[3].items() if k not in ("va", "va_st")}
+
+
 def test_each_kernel_parameter_comes_from_a_register_its_bound_call_names(recorded):
     """The Python executor keeps only the registers something reads: every register a form's
     kernel reads a parameter from, for a first T and a later one of another form, is among
