@@ -127,8 +127,6 @@ def two(
     transposes; a function ``(lse, name) -> [T, H] view`` for the full checks (the adapter's
     messages). ``more``: the spec's options after those written here, in its order
     (:class:`zerokv.core.entry_args.Layout`)."""
-    if type(prefix_rows) is not int and isinstance(prefix_rows, np.integer):
-        prefix_rows = int(prefix_rows)  # a scheduler's numpy count: the bound calls take Python ints
     if a_empty is None:
         cu = lens = None
     elif type(a_empty) is tuple and len(a_empty) == 2:
@@ -153,6 +151,11 @@ def two(
         raise
     if r is not None:
         return r
+    if prefix_rows is not None and type(prefix_rows) is not int and isinstance(prefix_rows, np.integer):
+        prefix_rows = int(prefix_rows)  # a scheduler's numpy count: the bound calls take Python ints
+        r, calls = _plans.recent_call(scalars, objs, (prefix_rows,))
+        if r is not None:
+            return r
     v = _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, _opts(scalars))
     f = _facts.of(_spec.MERGE_STATE, v, objs)
     if f.device < 0:
