@@ -19,16 +19,11 @@ from . import layout as _layout
 from .spec import OpSpec
 from .tensors import torch_tensor_type
 
-_RECORDS: dict[str, type] = {}  # by the spec's name (hashing a spec walks all its rows)
-
 
 def record(spec: OpSpec) -> type:
     """The record class of ``spec``'s calls: the kernels' parameter names of its arguments and
     options, its symbols, and what the op derives (``spec.derived``)."""
-    cls = _RECORDS.get(spec.name)
-    if cls is None:
-        cls = _RECORDS[spec.name] = _record(spec)
-    return cls
+    return spec.once("_facts_record", _record)
 
 
 def _record(spec: OpSpec) -> type:
@@ -46,8 +41,7 @@ def of(spec: OpSpec, checked: Any, objs: tuple) -> Any:
     """The facts of a call of ``spec`` that the full validation accepted (``checked``, its
     :class:`~zerokv.core.validation.Checked`); ``objs``: the caller's objects, in
     ``spec.all_args()`` order (what its bound call is built from)."""
-    cls = record(spec)
-    f, slots = cls(), cls.__slots__
+    f, slots = record(spec)(), spec.once("_facts_slots", lambda sp: frozenset(record(sp).__slots__))
     f.objs, f.device = objs, checked.device
     sig: list = []
     ok, width, exact, any_torch, all_exact = True, 0, torch_tensor_type(), False, True

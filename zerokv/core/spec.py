@@ -13,7 +13,9 @@ options. The full validation (:mod:`zerokv.core.validation`) and the bound call 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Any
 
 from . import dtypes as _dtypes
 
@@ -92,6 +94,15 @@ class OpSpec:
 
     def all_scalars(self) -> tuple[Scalar, ...]:
         return self.scalars + tuple(s for o in self.options for s in o.scalars)
+
+    def once(self, what: str, build: Callable[[OpSpec], Any]) -> Any:
+        """``build(self)``, made on the first request and kept on this spec under ``what`` (a
+        frozen dataclass hashes every row, too slow for a per-call cache key)."""
+        got = self.__dict__.get(what)
+        if got is None:
+            got = build(self)
+            object.__setattr__(self, what, got)
+        return got
 
 
 V_IN, V_OUT, LSE = _dtypes.V_IN, _dtypes.V_OUT, _dtypes.LSE

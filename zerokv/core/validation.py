@@ -40,7 +40,12 @@ class Checked:
 def shown_names(spec: OpSpec, shown: dict[str, str] | None) -> dict[str, str]:
     """The caller's name of each argument and scalar: ``shown``'s, else the spec's; an argument
     of an option of several as ``shown["<option>[i]"]``, else ``<option>[i] (<argument>)``."""
-    shown = shown or {}
+    if not shown:  # the spec's own names: made once (read, never changed, by validate)
+        return spec.once("_own_names", lambda sp: _names(sp, {}))
+    return _names(spec, shown)
+
+
+def _names(spec: OpSpec, shown: dict[str, str]) -> dict[str, str]:
     name = {s.name: shown.get(s.name, s.name) for s in spec.all_scalars()}
     name.update((a.name, shown.get(a.name, a.name)) for a in spec.args)
     for o in spec.options:
@@ -113,7 +118,8 @@ def _tensor(a: Arg, t: Tensor, name: dict[str, str], c: Checked) -> Tensor:
         return t
     t = _checks.tensor(t, nm, len(a.shape), a.dtypes)
     want = tuple(n if w is None else w for w, n in zip((_size(s, c) for s in a.shape), t.shape, strict=True))
-    _checks.shape(t, nm, want, ", ".join(s.replace("*", " * ").replace("/", " / ") for s in a.shape))
+    if tuple(t.shape) != want:  # the message's symbols spelled out only for it
+        _checks.shape(t, nm, want, ", ".join(s.replace("*", " * ").replace("/", " / ") for s in a.shape))
     for s, n in zip(a.shape, t.shape, strict=True):  # the symbols it binds
         if s.isidentifier():
             sym.setdefault(s, n)
