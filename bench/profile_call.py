@@ -5,7 +5,7 @@
 Rows (µs, median of interleaved rounds, and × ``torch.mul(out=)``): the public ``merge_state``
 through the C and the Python executor (the same tensors, and a new T every call as an engine
 calls; a call no recent bound call takes, 12 signatures in turn, an empty call), each executor
-alone on a bound call, every option, the ``[H, T]`` LSE, allocated
+alone on a bound call, every option (sinks also as a module's parameter), the ``[H, T]`` LSE, allocated
 outputs, each adapter, ``torch.ops.zerokv``, the empty-row ops and ``merge_states``; the new-T
 rows' loop around a no-op (its cost is in each of them). ``--cpu``:
 CPU tensors down the GPU path with launches counted, not made (``zerokv.testing``), and
@@ -132,6 +132,7 @@ def _calls(zk: Any, torch: Any, dev: str, T: int, only_plain: bool = False) -> d
     idx = torch.tensor([0, T // 3, T // 2, T], dtype=torch.int32, device=dev)
     kv = torch.tensor([0, 5, 9], dtype=torch.int32, device=dev)
     sinks, scale = torch.randn(H, device=dev), torch.tensor([0.5], device=dev)
+    psinks = torch.nn.Parameter(sinks.clone(), requires_grad=False)  # gpt-oss's sinks are weights
     out8 = torch.empty(T, H, D, device=dev).to(torch.float8_e4m3fn)
     bscale = torch.empty(T, H * D // 128, device=dev)
     v3, s3 = torch.randn(3, T, H, D, device=dev).to(bf), torch.randn(3, T, H, device=dev)
@@ -154,6 +155,7 @@ def _calls(zk: Any, torch: Any, dev: str, T: int, only_plain: bool = False) -> d
             "executor alone": alone,
             "a_empty": lambda: ms(va, sa, vb, sb, out=out, out_lse=ol, a_empty=(idx, kv)),
             "sinks": lambda: ms(va, sa, vb, sb, out=out, out_lse=ol, sinks=sinks),
+            "sinks, a module's parameter": lambda: ms(va, sa, vb, sb, out=out, out_lse=ol, sinks=psinks),
             "out_scale (fp8)": lambda: ms(va, sa, vb, sb, out=out8, out_scale=scale),
             "per-group fp8": lambda: ms(va, sa, vb, sb, out=out8, out_block_scale=bscale, quant_group=128),
             "prefix_rows": lambda: ms(va, sa, vb, sb, out=out, out_lse=ol, prefix_rows=T // 2),

@@ -27,6 +27,8 @@ def _calls(T: int) -> list:
     cu64, kv64 = cu32.long(), kv32.long()
     ckv = torch.tensor([0, 0, 4, 4], dtype=torch.int32)
     sinks, scale = torch.randn(H), torch.tensor([0.25])
+    sinks_param = torch.nn.Parameter(sinks.clone(), requires_grad=False)
+    v_a_param = torch.nn.Parameter(v_a.clone(), requires_grad=True)
     out8 = torch.empty(T, H, D, dtype=torch.float8_e4m3fn)
     bscale = torch.empty(T, H * D // 32)
     mask = torch.rand(T) > 0.5
@@ -34,6 +36,7 @@ def _calls(T: int) -> list:
     v_a2, s_a2 = v_a.clone(), s_a.clone()
     lse_ht = torch.randn(H, T).T
     v3, s3 = torch.randn(3, T, H, D).to(BF), torch.randn(3, T, H)
+    v3_param = torch.nn.Parameter(v3.clone(), requires_grad=False)
     f32 = (v_a.float(), s_a, v_b.float(), s_b)  # the plain call's pattern with other sizes
     out32, v3f = torch.empty(T, H, D), v3.float()
     v2, s2 = v3[:2], s3[:2]
@@ -51,6 +54,10 @@ def _calls(T: int) -> list:
         ("a_empty int32", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, a_empty=(cu32, kv32))),
         ("a_empty int64", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, a_empty=(cu64, kv64))),
         ("sinks", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_lse=out_lse, sinks=sinks)),
+        (  # a module's weights among the inputs (a sink; v_a needing grad): the plain tensors' bound call
+            "parameters",
+            lambda: zerokv.merge_state(v_a_param, s_a, v_b, s_b, out=out, out_lse=out_lse, sinks=sinks_param),
+        ),
         ("out_scale", lambda: zerokv.merge_state(v_a, s_a, v_b, s_b, out=out8, out_scale=scale)),
         (
             "per-group fp8",
@@ -66,6 +73,7 @@ def _calls(T: int) -> list:
         ("merge_states N = 3", lambda: zerokv.merge_states(v3, s3, out=out, out_lse=out_lse)),
         ("merge_states allocated", lambda: zerokv.merge_states(v3, s3)),
         ("merge_states sinks", lambda: zerokv.merge_states(v3, s3, out=out, sinks=sinks)),
+        ("merge_states parameters", lambda: zerokv.merge_states(v3_param, s3, out=out, sinks=sinks_param)),
         ("merge_states out_scale", lambda: zerokv.merge_states(v2, s2, out=out8, out_scale=scale)),
         (
             "merge_states per-group fp8",
@@ -194,6 +202,26 @@ def test_a_call_no_bound_call_takes_is_validated_once_and_launched_from_its_fact
         assert va_st == -H * D and got[3]["va"] == v_a.ctypes.data + (T - 1) * H * D * 4
         same = {k: v for k, v in got[3].items() if k not in ("va", "va_st")}
         assert same == {k: v for k, v in forwards[3].items() if k not in ("va", "va_st")}
+
+
+def test_a_parameter_is_read_as_plain_tensor_only_among_the_inputs(counted):
+    """A module's parameter as an input takes the bound call of plain tensors; as an output it
+    is left to the full validation on every call: refused by name when it requires grad,
+    launched into when it does not."""
+    log, seen = counted
+    T = 16
+    v_a, s_a, v_b, s_b = _states(T, H, D)
+    out = torch.empty(T, H, D, dtype=BF)
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out)
+    want = log[-1]
+    for _ in range(2):
+        seen["validate"] = 0
+        with pytest.raises(ValueError, match=r"^out: requires grad"):
+            zerokv.merge_state(v_a, s_a, v_b, s_b, out=torch.nn.Parameter(out.clone()))
+        param = torch.nn.Parameter(torch.full((T, H, D), float("nan"), dtype=BF), requires_grad=False)
+        zerokv.merge_state(v_a, s_a, v_b, s_b, out=param)
+        assert seen["validate"] == 2 and log[-1][:3] == want[:3]
+        assert log[-1][3]["out"] == param.data_ptr()
 
 
 def test_each_kernel_parameter_comes_from_a_register_its_bound_call_names(recorded):

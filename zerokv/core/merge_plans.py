@@ -28,6 +28,7 @@ from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
 from . import spec as _spec
+from . import tensors as _tensors
 from .layout import INT32, extent, vec
 
 _FORM_CACHE_LIMIT = 4096  # (T, H, D, layout) entries a plan remembers; past it, it starts again
@@ -151,8 +152,12 @@ def two(
         raise
     if r is not None:
         return r
-    if prefix_rows is not None and type(prefix_rows) is not int and isinstance(prefix_rows, np.integer):
-        prefix_rows = int(prefix_rows)  # a scheduler's numpy count: the bound calls take Python ints
+    # what no recent bound call takes as given, tried again as they take it: a scheduler's numpy
+    # count as an int, a module's parameters among the inputs as plain tensors
+    plain = _tensors.plain_inputs(objs, _spec.MERGE_STATE.input_slots())
+    count = prefix_rows is not None and type(prefix_rows) is not int and isinstance(prefix_rows, np.integer)
+    if count or plain is not objs:
+        objs, prefix_rows = plain, int(prefix_rows) if count else prefix_rows
         r, calls = _plans.recent_call(scalars, objs, (prefix_rows,))
         if r is not None:
             return r
