@@ -188,11 +188,11 @@ _parameter_type: list[type] = []  # torch.nn.Parameter, once torch has been seen
 
 
 def plain_inputs(objs: tuple, slots: tuple[int, ...]) -> tuple:
-    """``objs`` with each of ``slots`` (the call's inputs) that is a ``torch.nn.Parameter`` as the
-    plain tensor of its memory (``.data``: the same storage, strides and dtype), so that a
-    module's weights (an attention sink, an output scale) take the bound calls of plain
-    tensors; ``objs`` itself when there is none. Outputs are never in ``slots``: the full
-    validation decides on them (a parameter that requires grad is refused by name)."""
+    """``objs`` with each of ``slots`` (the call's inputs) that is a ``torch.nn.Parameter`` (or
+    of a subclass) as the plain tensor of its memory (``.data``: the same storage, strides and
+    dtype), so that a module's weights (an attention sink, an output scale) take the bound
+    calls of plain tensors; ``objs`` itself when there is none. Outputs are never in ``slots``:
+    the full validation decides on them (a parameter that requires grad is refused by name)."""
     if not _parameter_type:
         torch = sys.modules.get("torch")
         if torch is None:
@@ -200,7 +200,7 @@ def plain_inputs(objs: tuple, slots: tuple[int, ...]) -> tuple:
         _parameter_type.append(torch.nn.Parameter)
     param, got = _parameter_type[0], None
     for i in slots:
-        if i < len(objs) and type(objs[i]) is param:
+        if i < len(objs) and isinstance(objs[i], param):  # an engine's parameter classes too
             got = got or list(objs)
             got[i] = objs[i].data
     return objs if got is None else tuple(got)
