@@ -204,10 +204,10 @@ def test_a_call_no_bound_call_takes_is_validated_once_and_launched_from_its_fact
         assert same == {k: v for k, v in forwards[3].items() if k not in ("va", "va_st")}
 
 
-def test_a_parameter_is_read_as_plain_tensor_only_among_the_inputs(counted):
-    """A module's parameter as an input takes the bound call of plain tensors; as an output it
-    is left to the full validation on every call: refused by name when it requires grad,
-    launched into when it does not."""
+def test_a_parameter_is_read_as_a_plain_tensor_unless_it_requires_grad_as_an_output(counted):
+    """A module's parameter takes the bound call of plain tensors as an input (v_a needing
+    grad) and as an output it may write (no grad), launched with its memory; as an output that
+    requires grad it is refused by name by the full validation, on every call."""
     log, seen = counted
     T = 16
     v_a, s_a, v_b, s_b = _states(T, H, D)
@@ -218,10 +218,12 @@ def test_a_parameter_is_read_as_plain_tensor_only_among_the_inputs(counted):
         seen["validate"] = 0
         with pytest.raises(ValueError, match=r"^out: requires grad"):
             zerokv.merge_state(v_a, s_a, v_b, s_b, out=torch.nn.Parameter(out.clone()))
+        assert seen["validate"] == 1
         param = torch.nn.Parameter(torch.full((T, H, D), float("nan"), dtype=BF), requires_grad=False)
-        zerokv.merge_state(v_a, s_a, v_b, s_b, out=param)
-        assert seen["validate"] == 2 and log[-1][:3] == want[:3]
-        assert log[-1][3]["out"] == param.data_ptr()
+        v_a_param = torch.nn.Parameter(v_a.clone(), requires_grad=True)
+        zerokv.merge_state(v_a_param, s_a, v_b, s_b, out=param)
+        assert seen["validate"] == 1 and log[-1][:3] == want[:3]
+        assert (log[-1][3]["out"], log[-1][3]["va"]) == (param.data_ptr(), v_a_param.data_ptr())
 
 
 def test_each_kernel_parameter_comes_from_a_register_its_bound_call_names(recorded):

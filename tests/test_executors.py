@@ -108,9 +108,13 @@ class Maker:
         return [self.keep(buf[a : a + size].view(T, H, D)) for a in starts]
 
     def flag(self, x, state: str):
-        """An output made read-only to the contract: requires grad, or an inference tensor."""
+        """An output made read-only to the contract (requires grad, an inference tensor), or a
+        module's parameter (needing grad or not)."""
         if state == "grad" and x.dtype.is_floating_point:
             return self.keep(x.detach().requires_grad_(True))
+        if state == "param":
+            grad = self.rng.random() < 0.5 and x.dtype in (BF, F16, F32)
+            return self.keep(torch.nn.Parameter(x.detach(), requires_grad=grad))
         if state == "inference":
             with torch.inference_mode():
                 return self.keep(torch.empty_like(x))
@@ -135,7 +139,7 @@ def merge_state_call(m: Maker):
     kw: dict = {}
     o = rng.choice(("none", "fresh", "fresh", "inplace", "shared", "f32", "fp8"))
     if o == "fresh":
-        kw["out"] = m.flag(m.v(T, H, D, dt), rng.choice(("", "", "", "grad", "inference")))
+        kw["out"] = m.flag(m.v(T, H, D, dt), rng.choice(("", "", "", "grad", "inference", "param")))
     elif o == "inplace":
         kw["out"] = v_a
     elif o == "shared" and shared is not None:
@@ -152,21 +156,25 @@ def merge_state_call(m: Maker):
             kw["out_scale"] = m.keep(torch.empty(rng.choice((1, 1, 1, 2))))
     lo = rng.choice(("none", "fresh", "fresh", "inplace", "ht"))
     if lo == "fresh":
-        kw["out_lse"] = m.flag(m.s(T, H), rng.choice(("", "", "grad", "inference")))
+        kw["out_lse"] = m.flag(m.s(T, H), rng.choice(("", "", "grad", "inference", "param")))
     elif lo == "inplace":
         kw["out_lse"] = s_a
     elif lo == "ht":
         kw["out_lse"] = m.keep(torch.empty(H, T).T)
     if rng.random() < 0.3:
-        kw["prefix_rows"] = rng.choice((0, T // 2, T, T + 3, -1, True, 2.5, 1 << 40))
+        kw["prefix_rows"] = rng.choice((0, T // 2, T, T + 3, -1, True, 2.5, 1 << 40, np.int64(T // 2)))
     if rng.random() < 0.2:
         B = rng.randint(1, 4)
         kw["a_empty"] = (m.index(B, 1 if rng.random() < 0.9 else 0), m.index(B))
     if rng.random() < 0.2:
         kw["sinks"] = m.keep(torch.empty(H if rng.random() < 0.9 else H + 1))
+        if rng.random() < 0.3:  # a module's weights (gpt-oss's sinks are)
+            kw["sinks"] = m.flag(kw["sinks"], "param")
     if rng.random() < 0.1:
         kw["lse_base"] = rng.choice((2, "2", "x"))
     args = [v_a, s_a, v_b, s_b]
+    if rng.random() < 0.05:
+        args[0] = m.flag(v_a, "param")
     if rng.random() < 0.05:
         i = rng.randrange(4)
         args[i] = _junk(rng, args[i])

@@ -40,6 +40,18 @@ def generic(x: Any) -> Any:
     return _Generic(x)
 
 
+class _Never:
+    """A type no object has."""
+
+
+def also_read(tt: type) -> type:
+    """The type that a bound call of tensor type ``tt`` reads as it reads ``tt``: for torch's,
+    ``torch.nn.Parameter`` (a plain tensor's memory and attributes: a module's weights, an
+    attention sink); for any other, a type no object has."""
+    torch = sys.modules.get("torch")
+    return torch.nn.Parameter if torch is not None and tt is torch_tensor_type() else _Never
+
+
 def writable_cheap(x: Any) -> bool:
     """An output (the caller's object) that the full check (``checks.writable``) would let
     through, decided from the object alone: a torch tensor that needs no grad and is no

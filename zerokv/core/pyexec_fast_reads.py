@@ -21,12 +21,17 @@ from .layout import distinct
 def read1(c: dict) -> Any:
     """A 1-D input: its size bound here (no range: the table's records check it) or a register's."""
     slot, tt, dt, dev, isz, p_at, e_at = (c[k] for k in ("slot", "tt", "dt", "dev", "isz", "p_at", "e_at"))
+    pt = c["pt"]
     n_at, s_at, q, unit, W, S = (c[k] for k in ("n_at", "s_at", "q", "unit", "W", "S"))  # noqa: N806
     bind = q < 0
 
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
         x = objs[slot]
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+        if (
+            (type(x) is not tt and type(x) is not pt)
+            or (x.dtype is not dt and x.dtype != dt)
+            or x.get_device() != dev
+        ):
             return False
         (n,) = x.shape
         if not bind and n != r[q]:
@@ -51,6 +56,7 @@ def read1(c: dict) -> Any:
 def read3(c: dict) -> Any:
     """A 3-D tensor: its sizes bound here (in their ranges) or those of a read before it."""
     slot, tt, dt, dev, isz, p_at, e_at = (c[k] for k in ("slot", "tt", "dt", "dev", "isz", "p_at", "e_at"))
+    pt = c["pt"]
     (s0_at, s1_at, s2_at), (q0, q1, q2), W, S = c["s_at"], c["q"], c["W"], c["S"]  # noqa: N806
     bind, (n0_at, n1_at, n2_at), (lo0, lo1, lo2), (hi0, hi1, hi2) = c["bind"], c["n_at"], c["lo"], c["hi"]
     aligned, align, width, dinner = c["zero"], c["align"], c["width"], c["dinner"]
@@ -58,7 +64,11 @@ def read3(c: dict) -> Any:
 
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
         x = objs[slot]
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+        if (
+            (type(x) is not tt and type(x) is not pt)
+            or (x.dtype is not dt and x.dtype != dt)
+            or x.get_device() != dev
+        ):
             return False
         n0, n1, n2 = x.shape
         if bind:
@@ -110,12 +120,17 @@ def read3(c: dict) -> Any:
 def read2(c: dict) -> Any:
     """A 2-D tensor (or the transpose of one) whose sizes are those of a read before it."""
     slot, tt, dt, dev, isz, p_at, e_at = (c[k] for k in ("slot", "tt", "dt", "dev", "isz", "p_at", "e_at"))
+    pt = c["pt"]
     (s0_at, s1_at, _), (q0, q1), W, S, flip = c["s_at"], c["q"], c["W"], c["S"], c["flip"]  # noqa: N806
     out, dist, plain, exact, cheap = c["out"], c["dist"], c["plain"], c["exact"], writable_cheap
 
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
         x = objs[slot]
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+        if (
+            (type(x) is not tt and type(x) is not pt)
+            or (x.dtype is not dt and x.dtype != dt)
+            or x.get_device() != dev
+        ):
             return False
         if flip:
             n1, n0 = x.shape
@@ -164,6 +179,7 @@ def pair(c: dict, d: dict) -> Any:
     rather than called: a state's two reads are then one Python call (the sizes it compares may
     live in no kept register), the cheapest of the ways measured."""
     slot, tt, dt, dev, isz, p_at, e_at = (c[k] for k in ("slot", "tt", "dt", "dev", "isz", "p_at", "e_at"))
+    pt = c["pt"]
     (s0_at, s1_at, s2_at), (q0, q1, q2), W, S = c["s_at"], c["q"], c["W"], c["S"]  # noqa: N806
     bind, (n0_at, n1_at, n2_at), (lo0, lo1, lo2), (hi0, hi1, hi2) = c["bind"], c["n_at"], c["lo"], c["hi"]
     aligned, align, width, dinner = c["zero"], c["align"], c["width"], c["dinner"]
@@ -175,7 +191,11 @@ def pair(c: dict, d: dict) -> Any:
 
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
         x = objs[slot]
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+        if (
+            (type(x) is not tt and type(x) is not pt)
+            or (x.dtype is not dt and x.dtype != dt)
+            or x.get_device() != dev
+        ):
             return False
         n0, n1, n2 = x.shape
         if bind:
@@ -220,7 +240,11 @@ def pair(c: dict, d: dict) -> Any:
                 if r[b] < e and p < r[b_end] and not (r[b] == p and r[b_s0] == s0 and r[b_s1] == s1):
                     return False
         x = objs[lslot]  # the LSE: [n0, n1]
-        if type(x) is not tt or (x.dtype is not ldt and x.dtype != ldt) or x.get_device() != dev:
+        if (
+            (type(x) is not tt and type(x) is not pt)
+            or (x.dtype is not ldt and x.dtype != ldt)
+            or x.get_device() != dev
+        ):
             return False
         if flip:
             m1, m0 = x.shape

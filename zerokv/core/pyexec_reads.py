@@ -14,7 +14,7 @@ from typing import Any
 
 from . import bound as B
 from . import pyexec_fast_reads as fast
-from .generic_tensors import generic, writable_cheap
+from .generic_tensors import also_read, generic, writable_cheap
 from .layout import distinct
 
 _FAR = (-(1 << 70), 1 << 70)
@@ -26,6 +26,7 @@ class Read:
     def __init__(self, rec: tuple, k: int, bc: B.BoundCall, gen: bool) -> None:
         self.rec, self.k, self.gen, self.rank, self.flags = rec, k, gen, rec[2], rec[3]
         self.dtype, self.tt, self.dev, self.base = bc.dtypes[k], bc.torch_type, bc.device, B.tensor_base(k)
+        self.pt = also_read(self.tt)  # a type read as tt is (torch.nn.Parameter for torch's)
         self.bounds: dict[int, tuple[int, int]] = {}  # size i in [lo, hi)
         self.zero_misalign = False  # its misalignment 0, else refused (a CHECK of R_MISALIGN)
         self.inner = -1  # an output's DISTINCT: the register of its inner extent (-1: none)
@@ -100,7 +101,7 @@ def common(rd: Read, at: Any, kept: Any, acc: tuple) -> dict:
     apart = others(*(rd.apart or (0, 0)))
     bounds = [rd.bounds.get(i, _FAR) for i in range(3)]
     c = {
-        "slot": rec[1], "tt": rd.tt, "dt": rd.dtype, "dev": rd.dev, "gen": rd.gen, "isz": rec[6],
+        "slot": rec[1], "tt": rd.tt, "pt": rd.pt, "dt": rd.dtype, "dev": rd.dev, "gen": rd.gen, "isz": rec[6],
         "p_at": kept(base), "e_at": kept(base + B.T_END), "s_at": tuple(kept(base + 5 + i) for i in range(3)),
         "n_at": tuple(kept(base + 1 + i) for i in range(3)), "bind": rd.binds,
         "store_n": rd.binds or any(kept(base + 1 + i) != kept(-1) for i in range(rd.rank)),
@@ -145,6 +146,7 @@ def _read3(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
     slot, tt, dt, dev, gen, isz, p_at, e_at = (
         c[k] for k in ("slot", "tt", "dt", "dev", "gen", "isz", "p_at", "e_at")
     )
+    pt = c["pt"]
     (s0_at, s1_at, s2_at), (n0_at, n1_at, n2_at), (q0, q1, q2) = c["s_at"], c["n_at"], c["q"]
     bind, store_n, pos, unit = c["bind"], c["store_n"], c["pos"], c["unit"]
     (lo0, lo1, lo2), (hi0, hi1, hi2) = c["lo"], c["hi"]
@@ -159,7 +161,11 @@ def _read3(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
         x = objs[slot]
         if gen:
             x = generic(x)
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+        if (
+            (type(x) is not tt and type(x) is not pt)
+            or (x.dtype is not dt and x.dtype != dt)
+            or x.get_device() != dev
+        ):
             return False
         n0, n1, n2 = x.shape
         s0, s1, s2 = x.stride()
@@ -221,6 +227,7 @@ def _read2(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
     slot, tt, dt, dev, gen, isz, p_at, e_at = (
         c[k] for k in ("slot", "tt", "dt", "dev", "gen", "isz", "p_at", "e_at")
     )
+    pt = c["pt"]
     (s0_at, s1_at, _), (n0_at, n1_at, _), (q0, q1) = c["s_at"], c["n_at"], c["q"]
     bind, store_n, pos, unit = c["bind"], c["store_n"], c["pos"], c["unit"]
     (lo0, lo1, _), (hi0, hi1, _) = c["lo"], c["hi"]
@@ -232,7 +239,11 @@ def _read2(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
         x = objs[slot]
         if gen:
             x = generic(x)
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+        if (
+            (type(x) is not tt and type(x) is not pt)
+            or (x.dtype is not dt and x.dtype != dt)
+            or x.get_device() != dev
+        ):
             return False
         if flip:
             n1, n0 = x.shape
@@ -284,7 +295,7 @@ def _read1(rd: Read, at: Any, acc: tuple) -> Any:
     rec, base = rd.rec, rd.base
     W, S = (x if x is not None else at(-1) for x in acc[:2])  # noqa: N806
     c = {
-        "slot": rec[1], "tt": rd.tt, "dt": rd.dtype, "dev": rd.dev, "isz": rec[6], "p_at": at(base),
+        "slot": rec[1], "tt": rd.tt, "pt": rd.pt, "dt": rd.dtype, "dev": rd.dev, "isz": rec[6], "p_at": at(base),
         "n_at": at(base + 1), "s_at": at(base + B.T_STRIDE), "e_at": at(base + B.T_END),
         "q": at(rec[8]) if rec[8] >= 0 else -1, "unit": bool(rd.flags & B.F_UNIT_INNER), "W": W, "S": S,
     }  # fmt: skip
@@ -294,7 +305,7 @@ def _read1(rd: Read, at: Any, acc: tuple) -> Any:
 def _readn(rd: Read, at: Any, acc: tuple) -> Any:
     """A tensor of any rank, its sizes and strides by loop, every register of its block written
     (``at`` gives the block's registers one after another)."""
-    rec, base, tt, dt, dev, gen, rank = rd.rec, rd.base, rd.tt, rd.dtype, rd.dev, rd.gen, rd.rank
+    rec, base, tt, pt, dt, dev, gen, rank = rd.rec, rd.base, rd.tt, rd.pt, rd.dtype, rd.dev, rd.gen, rd.rank
     slot, flags, isz, align, width = rec[1], rd.flags, rec[6], rec[7], rec[12]
     eqs = tuple((i, at(rec[8 + i])) for i in range(rank) if rec[8 + i] >= 0)
     flip, unit, out = flags & B.F_TRANSPOSE, flags & B.F_UNIT_INNER, flags & B.F_OUTPUT
@@ -309,7 +320,11 @@ def _readn(rd: Read, at: Any, acc: tuple) -> Any:
         x = objs[slot]
         if gen:
             x = generic(x)
-        if type(x) is not tt or (x.dtype is not dt and x.dtype != dt) or x.get_device() != dev:
+        if (
+            (type(x) is not tt and type(x) is not pt)
+            or (x.dtype is not dt and x.dtype != dt)
+            or x.get_device() != dev
+        ):
             return False
         shape, st = tuple(x.shape), x.stride()
         if len(shape) != rank:
