@@ -250,21 +250,27 @@ def test_kernel_matches_reference(dtype, T, H, D):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("base", ["e", 2])
 @pytest.mark.parametrize("op", ["merge_state", "merge_states"])
-def test_sinks_match_the_reference(device, base, op):
+@pytest.mark.parametrize("weights", [False, True])
+def test_sinks_match_the_reference(device, base, op, weights):
     """Sinks of every kind (finite, -inf, +inf) over states with every edge (empty, both
-    empty, NaN, a huge gap): the kernels' fold of the sink against the float64 reference."""
+    empty, NaN, a huge gap): the kernels' fold of the sink against the float64 reference;
+    ``weights``: the sinks a module's parameter (gpt-oss's are), on a signature's first call
+    and on the later one its bound call takes."""
     T, H, D = 300, 8, 128
     v_a, s_a, v_b, s_b = make_states(T, H, D, torch.bfloat16, device, seed=11)
     sinks = torch.randn(H, generator=torch.Generator().manual_seed(4)) * 3
     sinks[0], sinks[1] = -INF, INF
     sinks = sinks.to(device)
+    if weights:
+        sinks = torch.nn.Parameter(sinks, requires_grad=False)
     # the CPU path runs the reference: its oracle is the independent one
     ref = oracles.merge if device == "cpu" else reference.merge_states
     v, s = torch.stack([v_a, v_b]), torch.stack([s_a, s_b])
-    if op == "merge_state":
-        out, lse = zerokv.merge_state(v_a, s_a, v_b, s_b, lse_base=base, sinks=sinks)
-    else:
-        out, lse = zerokv.merge_states(v, s, lse_base=base, sinks=sinks)
+    for _ in range(2 if weights else 1):
+        if op == "merge_state":
+            out, lse = zerokv.merge_state(v_a, s_a, v_b, s_b, lse_base=base, sinks=sinks)
+        else:
+            out, lse = zerokv.merge_states(v, s, lse_base=base, sinks=sinks)
     ref_out, ref_lse = ref(f64(v), f64(s), base, f64(sinks))
     assert_close(out, ref_out, torch.bfloat16, "out")
     assert_close(lse, ref_lse, torch.float32, "lse")
