@@ -226,6 +226,23 @@ def test_a_parameter_is_read_as_a_plain_tensor_unless_it_requires_grad_as_an_out
         assert (log[-1][3]["out"], log[-1][3]["va"]) == (param.data_ptr(), v_a_param.data_ptr())
 
 
+def test_a_signature_met_first_with_a_parameter_output_gets_its_bound_call(counted):
+    """A signature whose first call writes into a module's parameter (no grad) is a torch
+    signature with a bound call: a later call with another such output is not validated."""
+    log, seen = counted
+    T = 16
+    v_a, s_a, v_b, s_b = _states(T, H, D)
+
+    def out():
+        return torch.nn.Parameter(torch.full((T, H, D), float("nan"), dtype=BF), requires_grad=False)
+
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=out())
+    seen["validate"] = 0
+    later = out()
+    zerokv.merge_state(v_a, s_a, v_b, s_b, out=later)
+    assert seen["validate"] == 0 and log[-1][3]["out"] == later.data_ptr()
+
+
 def test_each_kernel_parameter_comes_from_a_register_its_bound_call_names(recorded):
     """The Python executor keeps only the registers something reads: every register a form's
     kernel reads a parameter from, for a first T and a later one of another form, is among

@@ -5,9 +5,10 @@ signature's first call builds its plan from, and what a call its bound call
 The record holds every tensor's pointer and strides under the names its spec gives them among
 the kernels' parameters (0 for an absent one), the symbols' sizes, and the call's signature:
 each argument's dtype, device and type (None when absent), the vector alignment of the
-arguments that take part in it, and the producer (True: every tensor torch's own type; False: none
-torch's; None: torch beside another producer or a torch subclass). Nothing is read here that
-the full validation (:mod:`zerokv.core.validation`) has not read and checked.
+arguments that take part in it, and the producer (True: every tensor torch's own type or a
+``torch.nn.Parameter``; False: none torch's; None: torch beside another producer or another
+torch subclass). Nothing is read here that the full validation
+(:mod:`zerokv.core.validation`) has not read and checked.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 from . import dtypes as _dtypes
 from . import layout as _layout
+from .generic_tensors import also_read
 from .spec import OpSpec
 from .tensors import torch_tensor_type
 
@@ -44,7 +46,9 @@ def of(spec: OpSpec, checked: Any, objs: tuple) -> Any:
     f, slots = record(spec)(), spec.once("_facts_slots", lambda sp: frozenset(record(sp).__slots__))
     f.objs, f.device = objs, checked.device
     sig: list = []
-    ok, width, exact, any_torch, all_exact = True, 0, torch_tensor_type(), False, True
+    ok, width, any_torch, all_exact = True, 0, False, True
+    tt = torch_tensor_type()
+    plain = (tt, also_read(tt))  # torch's own type, and the one its bound calls read as it
     for a in spec.all_args():
         t = checked.tensors.get(a.name)
         if t is None:
@@ -54,7 +58,7 @@ def of(spec: OpSpec, checked: Any, objs: tuple) -> Any:
             continue
         sig += (t.dtype, t.device, type(t.obj))
         any_torch = any_torch or t.is_torch
-        all_exact = all_exact and type(t.obj) is exact
+        all_exact = all_exact and type(t.obj) in plain
         setattr(f, a.params[0], t.ptr)
         for p, s in zip(a.params[1:], t.strides, strict=False):
             setattr(f, p, s)
