@@ -134,6 +134,41 @@ static int output_ok(State *st, PyObject *x, int *mode)
     return w;
 }
 
+static PyObject *numpy_integer; /* numpy.integer, once a scalar argument is not a Python int */
+
+/* A scalar argument as the full validation takes it: a Python int (not a bool) or a numpy
+ * integer (a scheduler's count). 1 with its value in *x; 0: neither, or past 64 bits. */
+static int int_value(PyObject *v, long long *x)
+{
+    int overflow = 0;
+    if (PyLong_CheckExact(v)) {
+        *x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        return !overflow;
+    }
+    if (numpy_integer == NULL) {
+        PyObject *np = PyImport_ImportModule("numpy");
+        numpy_integer = np ? PyObject_GetAttrString(np, "integer") : NULL;
+        Py_XDECREF(np);
+    }
+    if (numpy_integer == NULL || !PyType_Check(numpy_integer) ||
+        !PyObject_TypeCheck(v, (PyTypeObject *)numpy_integer)) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *i = PyNumber_Index(v);
+    if (i == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    *x = PyLong_AsLongLongAndOverflow(i, &overflow);
+    Py_DECREF(i);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return !overflow;
+}
+
 /* OP_TENSOR: 1 read, 0 not taken, -1 an exception. */
 static int read_tensor(State *st, const int64_t *rec, int k, Call *c, int64_t *r)
 {

@@ -335,10 +335,8 @@ distinct: {
 scalar: {
     if (rec[1] >= c->nscalars)
         return Py_NewRef(Py_None);
-    PyObject *v = c->scalars[rec[1]];
-    int overflow = 0;
-    long long x = PyLong_CheckExact(v) ? PyLong_AsLongLongAndOverflow(v, &overflow) : 0;
-    got = PyLong_CheckExact(v) && !overflow && r[rec[3]] <= x && x <= r[rec[4]];
+    long long x = 0;
+    got = int_value(c->scalars[rec[1]], &x) && r[rec[3]] <= x && x <= r[rec[4]];
     if (got)
         r[rec[2]] = x;
     NEXT(got);

@@ -12,8 +12,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import numpy as np
-
 from . import binding as _binding
 from . import bound as _bound
 from . import checks as _checks
@@ -152,12 +150,9 @@ def two(
         raise
     if r is not None:
         return r
-    # what no recent bound call takes as given, tried again as they take it: a scheduler's numpy
-    # count as an int, a module's parameters among the inputs as plain tensors
-    plain = _tensors.plain_inputs(objs, _spec.MERGE_STATE.input_slots())
-    count = prefix_rows is not None and type(prefix_rows) is not int and isinstance(prefix_rows, np.integer)
-    if count or plain is not objs:
-        objs, prefix_rows = plain, int(prefix_rows) if count else prefix_rows
+    plain = _tensors.plain_inputs(objs, _spec.MERGE_STATE.input_slots())  # a module's parameters
+    if plain is not objs:  # (of a subclass, or met first) tried again as plain tensors
+        objs = plain
         r, calls = _plans.recent_call(scalars, objs, (prefix_rows,))
         if r is not None:
             return r

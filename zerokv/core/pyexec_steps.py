@@ -11,6 +11,8 @@ from __future__ import annotations
 import operator
 from typing import Any
 
+import numpy as np
+
 from . import bound as B
 from .layout import distinct
 from .pyexec_reads import others
@@ -92,7 +94,11 @@ def _scalar(rec: tuple, bc: B.BoundCall, R: Any) -> Any:  # noqa: N803
 
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
         v = scalars[i]
-        if type(v) is not int or not r[lo] <= v <= r[hi]:
+        if type(v) is not int:  # a numpy integer (a scheduler's count) as the validation takes it
+            if not isinstance(v, np.integer):
+                return False
+            v = int(v)
+        if not r[lo] <= v <= r[hi]:
             return False
         r[d] = v
         return None
