@@ -243,6 +243,34 @@ def test_a_signature_met_first_with_a_parameter_output_gets_its_bound_call(count
     assert seen["validate"] == 0 and log[-1][3]["out"] == later.data_ptr()
 
 
+def test_a_scalar_in_the_key_is_taken_alike_by_the_bound_call_and_the_full_validation(counted):
+    """quant_group is part of a later call's key, so a number equal to 32 (32.0, numpy's) finds
+    the bound call of 32; the full validation takes them too, on a signature's first call; a
+    bool or another size is refused by name."""
+    from zerokv.core import plans
+
+    log, seen = counted
+    T = 8
+    v_a, s_a, v_b, s_b = _states(T, H, D)
+    out, bs = torch.empty(T, H, D, dtype=torch.float8_e4m3fn), torch.empty(T, H * D // 32)
+
+    def call(q):
+        zerokv.merge_state(v_a, s_a, v_b, s_b, out=out, out_block_scale=bs, quant_group=q)
+
+    call(32)
+    want = log[-1]
+    for q in (32.0, np.int64(32), np.float32(32)):
+        seen["validate"] = 0
+        call(q)
+        assert seen["validate"] == 0 and log[-1] == want, q
+        plans.clear_plans()
+        call(q)  # a first call: validated, and launched alike
+        assert seen["validate"] == 1 and log[-1] == want, q
+    for bad in (True, 24.0, np.int64(24)):
+        with pytest.raises(ValueError, match="^quant_group: expected a power of two"):
+            call(bad)
+
+
 def test_each_kernel_parameter_comes_from_a_register_its_bound_call_names(recorded):
     """The Python executor keeps only the registers something reads: every register a form's
     kernel reads a parameter from, for a first T and a later one of another form, is among

@@ -47,10 +47,11 @@ class Arg:
 @dataclass(frozen=True)
 class Scalar:
     """A non-tensor argument: one of ``values`` (a string matches a string, a number a number
-    of any type but bool; ``exact_int``: a Python int only), said as ``says`` in messages (by
-    default the values), and dividing symbol ``divides``; or, with ``upto``, None or an int
-    (Python or numpy) in ``[0, upto]``. ``required``: an option's scalar given exactly with
-    the option."""
+    of any type but bool: one equal to it, as a later call's key finds its bound call), said as
+    ``says`` in messages (by default the values), and dividing symbol ``divides``; or, with
+    ``upto``, None or an int (Python or numpy) in ``[0, upto]``. ``exact_int``: the value is
+    the int of ``values`` it equals (else its string). ``required``: an option's scalar given
+    exactly with the option."""
 
     name: str
     values: tuple = ()

@@ -211,7 +211,7 @@ def scalar(s: Scalar, v: Any, nm: str, sym: dict[str, int]) -> Any:
         return v
     number = not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, float, np.integer, np.floating))
     for x in s.values:
-        if (type(v) is int if s.exact_int else number) and not isinstance(x, str) and v == x:
+        if number and not isinstance(x, str) and v == x:
             break
         if isinstance(x, str) and isinstance(v, str) and v == x:
             break
