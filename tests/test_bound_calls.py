@@ -269,6 +269,15 @@ def test_a_scalar_in_the_key_is_taken_alike_by_the_bound_call_and_the_full_valid
     for bad in (True, 24.0, np.int64(24)):
         with pytest.raises(ValueError, match="^quant_group: expected a power of two"):
             call(bad)
+    from fractions import Fraction
+
+    plain = lambda base: zerokv.merge_state(v_a, s_a, v_b, s_b, out=torch.empty(T, H, D), lse_base=base)  # noqa: E731
+    plain(2)
+    want = log[-1]
+    for base in (2.0, np.float32(2), Fraction(2), 2 + 0j):  # lse_base: also in the key
+        plans.clear_plans()
+        plain(base)
+        assert log[-1][:3] == want[:3] and log[-1][3]["k"] == want[3]["k"], base
 
 
 def test_each_kernel_parameter_comes_from_a_register_its_bound_call_names(recorded):

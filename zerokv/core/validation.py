@@ -12,6 +12,7 @@ except an exact alias the spec allows. Messages use the caller's names (``shown`
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import numpy as np
@@ -209,7 +210,9 @@ def scalar(s: Scalar, v: Any, nm: str, sym: dict[str, int]) -> Any:
         if not 0 <= v <= sym[s.upto]:
             raise ValueError(f"{nm}: expected 0 <= {nm} <= {s.upto}={sym[s.upto]}, got {v}")
         return v
-    number = not isinstance(v, (bool, np.bool_)) and isinstance(v, (int, float, np.integer, np.floating))
+    # any number but a bool: one equal to a value has its hash, so a later call's key finds the
+    # bound call of that value
+    number = not isinstance(v, (bool, np.bool_)) and isinstance(v, numbers.Number)
     for x in s.values:
         if number and not isinstance(x, str) and v == x:
             break
