@@ -18,6 +18,10 @@ H, D = 4, 64
 BF = torch.bfloat16
 
 
+class _Weight(torch.nn.Parameter):
+    """An engine's parameter class (vLLM's and others subclass ``torch.nn.Parameter``)."""
+
+
 def _calls(T: int) -> list:
     """One call of each two-way and empty-rows signature family, on fresh tensors of T tokens."""
     v_a, s_a, v_b, s_b = _states(T, H, D, seed=T)
@@ -27,7 +31,7 @@ def _calls(T: int) -> list:
     cu64, kv64 = cu32.long(), kv32.long()
     ckv = torch.tensor([0, 0, 4, 4], dtype=torch.int32)
     sinks, scale = torch.randn(H), torch.tensor([0.25])
-    sinks_param = torch.nn.Parameter(sinks.clone(), requires_grad=False)
+    sinks_param = _Weight(sinks.clone(), requires_grad=False)  # an engine's own parameter class
     v_a_param = torch.nn.Parameter(v_a.clone(), requires_grad=True)
     out8 = torch.empty(T, H, D, dtype=torch.float8_e4m3fn)
     bscale = torch.empty(T, H * D // 32)

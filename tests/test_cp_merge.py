@@ -619,15 +619,28 @@ def test_a_later_call_that_breaks_a_rule_raises_the_validations_error(gpu_path, 
 
 def test_calls_the_cheap_check_cannot_decide_are_let_through_by_the_full_validation(gpu_path):
     """out_lse interleaved with s (byte ranges that cross, no shared element): validated, and
-    run; an output of a torch subclass is not read into facts (validated on every call)."""
+    run; an output of a torch subclass is not read into facts (validated on every call), one
+    of a module's parameter (``torch.nn.Parameter``, or a subclass of it) is."""
     seen = gpu_path
     make = SIGNATURES["options"][1]
     _combine(make(5))
     buf = _nan((9, 8))
     _combine({**make(9), "s": buf[:, ::2].normal_(), "out_lse": buf[:, 1::2]})
     assert len(seen.validated) == 2 and len(seen.args) == 2 and seen.args[1] == seen.validated[1]
-    k = {**make(9), "out": torch.nn.Parameter(_nan((9, 4, 16)), requires_grad=False)}
+    k = {**make(9), "out": _nan((9, 4, 16)).as_subclass(_Subclass)}
     assert cpm._plan.read(k["v"], k["s"], k["sinks"], k["out"], k["out_lse"], None, None) is None
+    for weights in (torch.nn.Parameter, _Weight):
+        out = weights(_nan((9, 4, 16)), requires_grad=False)
+        f = cpm._plan.read(k["v"], k["s"], k["sinks"], out, k["out_lse"], None, None)
+        assert f is not None and f.out.ptr == out.data_ptr()
+
+
+class _Subclass(torch.Tensor):
+    """A torch subclass of no parameter's kind."""
+
+
+class _Weight(torch.nn.Parameter):
+    """An engine's parameter class."""
 
 
 CP_SEEN: list[tuple[bool, bool]] = []  # (taken, valid) of each random layout

@@ -6,7 +6,7 @@ The record holds every tensor's pointer and strides under the names its spec giv
 the kernels' parameters (0 for an absent one), the symbols' sizes, and the call's signature:
 each argument's dtype, device and type (None when absent), the vector alignment of the
 arguments that take part in it, and the producer (True: every tensor torch's own type or a
-``torch.nn.Parameter``; False: none torch's; None: torch beside another producer or another
+``torch.nn.Parameter`` (or of a subclass); False: none torch's; None: torch beside another producer or another
 torch subclass). Nothing is read here that the full validation
 (:mod:`zerokv.core.validation`) has not read and checked.
 """
@@ -39,16 +39,20 @@ def _record(spec: OpSpec) -> type:
     return type(f"{spec.name}_facts", (), {"__slots__": tuple(dict.fromkeys(names))})
 
 
+def _slot_names(spec: OpSpec) -> frozenset:
+    return frozenset(record(spec).__slots__)
+
+
 def of(spec: OpSpec, checked: Any, objs: tuple) -> Any:
     """The facts of a call of ``spec`` that the full validation accepted (``checked``, its
     :class:`~zerokv.core.validation.Checked`); ``objs``: the caller's objects, in
     ``spec.all_args()`` order (what its bound call is built from)."""
-    f, slots = record(spec)(), spec.once("_facts_slots", lambda sp: frozenset(record(sp).__slots__))
+    f, slots = record(spec)(), spec.once("_facts_slots", _slot_names)
     f.objs, f.device = objs, checked.device
     sig: list = []
     ok, width, any_torch, all_exact = True, 0, False, True
     tt = torch_tensor_type()
-    plain = (tt, also_read(tt))  # torch's own type, and the one its bound calls read as it
+    param = also_read(tt)  # its subclasses: read as torch's own type by the bound calls
     for a in spec.all_args():
         t = checked.tensors.get(a.name)
         if t is None:
@@ -58,7 +62,7 @@ def of(spec: OpSpec, checked: Any, objs: tuple) -> Any:
             continue
         sig += (t.dtype, t.device, type(t.obj))
         any_torch = any_torch or t.is_torch
-        all_exact = all_exact and type(t.obj) in plain
+        all_exact = all_exact and (type(t.obj) is tt or issubclass(type(t.obj), param))
         setattr(f, a.params[0], t.ptr)
         for p, s in zip(a.params[1:], t.strides, strict=False):
             setattr(f, p, s)

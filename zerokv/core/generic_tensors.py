@@ -45,9 +45,11 @@ class _Never:
 
 
 def also_read(tt: type) -> type:
-    """The type that a bound call of tensor type ``tt`` reads as it reads ``tt``: for torch's,
-    ``torch.nn.Parameter`` (a plain tensor's memory and attributes: a module's weights, an
-    attention sink); for any other, a type no object has."""
+    """The type whose subclasses a bound call of tensor type ``tt`` reads as it reads ``tt``:
+    for torch's, ``torch.nn.Parameter`` (a plain tensor's memory and attributes: a module's
+    weights, an attention sink, an engine's own parameter classes); for any other, a type no
+    object has. By type, not ``isinstance``: a tensor subclass merely marked as a parameter is
+    not read so."""
     torch = sys.modules.get("torch")
     return torch.nn.Parameter if torch is not None and tt is torch_tensor_type() else _Never
 

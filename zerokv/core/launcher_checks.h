@@ -176,7 +176,7 @@ static int read_tensor(State *st, const int64_t *rec, int k, Call *c, int64_t *r
     if (slot >= c->nobjs)
         return 0;
     PyObject *x = c->objs[slot];
-    if (Py_TYPE(x) != st->type && (st->also == NULL || Py_TYPE(x) != st->also))
+    if (Py_TYPE(x) != st->type && (st->also == NULL || !PyType_IsSubtype(Py_TYPE(x), st->also)))
         return 0;
     DLTensor t;
     if (st->api->dltensor_from_py_object_no_sync(x, &t) != 0) {

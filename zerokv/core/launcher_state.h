@@ -9,7 +9,7 @@ static long long launch_count;     /* launches since the last set_recorder */
 static PyObject *writable_cheap;   /* generic_tensors.writable_cheap (bind()) */
 static PyObject *torch_type_of;   /* tensors.torch_tensor_type (bind()): torch's tensor type */
 static PyObject *inference_mode;   /* torch.is_inference_mode_enabled, once a signature needs it */
-static PyObject *parameter_type;   /* torch.nn.Parameter: read as torch's tensor type is (same memory) */
+static PyObject *parameter_type;   /* torch.nn.Parameter: its subclasses read as torch's tensor type is */
 static PyObject *unreadable;       /* the exceptions that make a call "not taken" */
 static PyObject *s_requires_grad, *s_is_inference, *s_version, *s_c_state, *s_table, *s_torch_type,
     *s_device, *s_result, *s_allocators, *s_entry, *s_launcher, *s_expr;
@@ -48,7 +48,7 @@ typedef struct {
     const DLPackExchangeAPI *api;
     PyObject *requires_grad, *is_inference, *version; /* its descriptors (owned), or NULL */
     int torch_rule;                /* torch's tensor type: writability decided here */
-    PyTypeObject *also;            /* with torch's type: torch.nn.Parameter, read as it (borrowed) */
+    PyTypeObject *also;            /* with torch's type: torch.nn.Parameter, its subclasses read as it (borrowed) */
     int mode_first;                /* the last call found inference mode on: ask it first */
     int64_t device;
     int nresult;

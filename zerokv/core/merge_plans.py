@@ -26,7 +26,6 @@ from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
 from . import spec as _spec
-from . import tensors as _tensors
 from .layout import INT32, extent, vec
 
 _FORM_CACHE_LIMIT = 4096  # (T, H, D, layout) entries a plan remembers; past it, it starts again
@@ -150,12 +149,6 @@ def two(
         raise
     if r is not None:
         return r
-    plain = _tensors.plain_inputs(objs, _spec.MERGE_STATE.input_slots())  # a module's parameters
-    if plain is not objs:  # (of a subclass, or met first) tried again as plain tensors
-        objs = plain
-        r, calls = _plans.recent_call(scalars, objs, (prefix_rows,))
-        if r is not None:
-            return r
     v = _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, _opts(scalars))
     f = _facts.of(_spec.MERGE_STATE, v, objs)
     if f.device < 0:

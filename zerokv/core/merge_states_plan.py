@@ -15,7 +15,6 @@ from . import kernels as _kernels
 from . import merge_checks as _merge_checks
 from . import plans as _plans
 from . import spec as _spec
-from . import tensors as _tensors
 from .layout import INT32
 from .merge_plans import Plan, cpu_outputs, exact
 
@@ -31,12 +30,6 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
         raise
     if r is not None:
         return r
-    plain = _tensors.plain_inputs(objs, _spec.MERGE_STATES.input_slots())  # a module's parameters
-    if plain is not objs:  # tried again as plain tensors
-        objs = plain
-        r, calls = _plans.recent_call(key, objs, ())
-        if r is not None:
-            return r
     v = _merge_checks.n(objs, scalars[0], _quant(scalars))
     f = _facts.of(_spec.MERGE_STATES, v, objs)
     if f.device < 0:

@@ -28,7 +28,7 @@ def read1(c: dict) -> Any:
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
         x = objs[slot]
         if (
-            (type(x) is not tt and type(x) is not pt)
+            (type(x) is not tt and not issubclass(type(x), pt))
             or (x.dtype is not dt and x.dtype != dt)
             or x.get_device() != dev
         ):
@@ -65,7 +65,7 @@ def read3(c: dict) -> Any:
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
         x = objs[slot]
         if (
-            (type(x) is not tt and type(x) is not pt)
+            (type(x) is not tt and not issubclass(type(x), pt))
             or (x.dtype is not dt and x.dtype != dt)
             or x.get_device() != dev
         ):
@@ -127,7 +127,7 @@ def read2(c: dict) -> Any:
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
         x = objs[slot]
         if (
-            (type(x) is not tt and type(x) is not pt)
+            (type(x) is not tt and not issubclass(type(x), pt))
             or (x.dtype is not dt and x.dtype != dt)
             or x.get_device() != dev
         ):
@@ -192,7 +192,7 @@ def pair(c: dict, d: dict) -> Any:
     def step(r: list, objs: tuple, scalars: tuple) -> Any:
         x = objs[slot]
         if (
-            (type(x) is not tt and type(x) is not pt)
+            (type(x) is not tt and not issubclass(type(x), pt))
             or (x.dtype is not dt and x.dtype != dt)
             or x.get_device() != dev
         ):
@@ -241,7 +241,7 @@ def pair(c: dict, d: dict) -> Any:
                     return False
         x = objs[lslot]  # the LSE: [n0, n1]
         if (
-            (type(x) is not tt and type(x) is not pt)
+            (type(x) is not tt and not issubclass(type(x), pt))
             or (x.dtype is not ldt and x.dtype != ldt)
             or x.get_device() != dev
         ):

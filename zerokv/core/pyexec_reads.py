@@ -26,7 +26,7 @@ class Read:
     def __init__(self, rec: tuple, k: int, bc: B.BoundCall, gen: bool) -> None:
         self.rec, self.k, self.gen, self.rank, self.flags = rec, k, gen, rec[2], rec[3]
         self.dtype, self.tt, self.dev, self.base = bc.dtypes[k], bc.torch_type, bc.device, B.tensor_base(k)
-        self.pt = also_read(self.tt)  # a type read as tt is (torch.nn.Parameter for torch's)
+        self.pt = also_read(self.tt)  # its subclasses read as tt is (torch.nn.Parameter for torch's)
         self.bounds: dict[int, tuple[int, int]] = {}  # size i in [lo, hi)
         self.zero_misalign = False  # its misalignment 0, else refused (a CHECK of R_MISALIGN)
         self.inner = -1  # an output's DISTINCT: the register of its inner extent (-1: none)
@@ -162,7 +162,7 @@ def _read3(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
         if gen:
             x = generic(x)
         if (
-            (type(x) is not tt and type(x) is not pt)
+            (type(x) is not tt and not issubclass(type(x), pt))
             or (x.dtype is not dt and x.dtype != dt)
             or x.get_device() != dev
         ):
@@ -240,7 +240,7 @@ def _read2(rd: Read, at: Any, kept: Any, acc: tuple) -> Any:
         if gen:
             x = generic(x)
         if (
-            (type(x) is not tt and type(x) is not pt)
+            (type(x) is not tt and not issubclass(type(x), pt))
             or (x.dtype is not dt and x.dtype != dt)
             or x.get_device() != dev
         ):
@@ -321,7 +321,7 @@ def _readn(rd: Read, at: Any, acc: tuple) -> Any:
         if gen:
             x = generic(x)
         if (
-            (type(x) is not tt and type(x) is not pt)
+            (type(x) is not tt and not issubclass(type(x), pt))
             or (x.dtype is not dt and x.dtype != dt)
             or x.get_device() != dev
         ):

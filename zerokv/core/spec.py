@@ -96,12 +96,6 @@ class OpSpec:
     def all_scalars(self) -> tuple[Scalar, ...]:
         return self.scalars + tuple(s for o in self.options for s in o.scalars)
 
-    def input_slots(self) -> tuple[int, ...]:
-        """The positions of the inputs among ``all_args()`` (made once)."""
-        return self.once(
-            "_input_slots", lambda sp: tuple(i for i, a in enumerate(sp.all_args()) if not a.output)
-        )
-
     def once(self, what: str, build: Callable[[OpSpec], Any]) -> Any:
         """``build(self)``, made on the first request and kept on this spec under ``what`` (a
         frozen dataclass hashes every row, too slow for a per-call cache key)."""

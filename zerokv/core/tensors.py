@@ -184,28 +184,6 @@ def dlpack_view(x: Any, stream: int | None = None, device: tuple[int, int] | Non
     return Tensor(x, ptr, shape, strides, dtype, device, False)
 
 
-_parameter_type: list[type] = []  # torch.nn.Parameter, once torch has been seen
-
-
-def plain_inputs(objs: tuple, slots: tuple[int, ...]) -> tuple:
-    """``objs`` with each of ``slots`` (the call's inputs) that is a ``torch.nn.Parameter`` (or
-    of a subclass) as the plain tensor of its memory (``.data``: the same storage, strides and
-    dtype), so that a module's weights (an attention sink, an output scale) take the bound
-    calls of plain tensors; ``objs`` itself when there is none. Outputs are never in ``slots``:
-    the full validation decides on them (a parameter that requires grad is refused by name)."""
-    if not _parameter_type:
-        torch = sys.modules.get("torch")
-        if torch is None:
-            return objs
-        _parameter_type.append(torch.nn.Parameter)
-    param, got = _parameter_type[0], None
-    for i in slots:
-        if i < len(objs) and isinstance(objs[i], param):  # an engine's parameter classes too
-            got = got or list(objs)
-            got[i] = objs[i].data
-    return objs if got is None else tuple(got)
-
-
 def is_torch(x: Any) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(x, torch.Tensor)

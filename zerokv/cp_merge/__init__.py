@@ -19,7 +19,6 @@ import functools
 import sys
 from typing import Any
 
-from ..core import tensors as _tensors
 from . import a2a, allgather, cpu_path
 from . import plan as _plan
 from .a2a import CpSendBuffer
@@ -172,9 +171,6 @@ def combine(
     ``nan_empty``: a NaN LSE counts as empty instead of propagating (vLLM).
     ``names``: how the caller calls the arguments, for error messages."""
     n = Names(names)
-    # a module's parameters (an attention sink, an output scale) as the plain tensors of their
-    # memory, which the plans' bound calls read
-    v, s, sinks, out_scale = _tensors.plain_inputs((v, s, sinks, out_scale), (0, 1, 2, 3))
     torch = _torch(v, n("v"))
     pg, N, rank = _group(torch, group, n("group"))
     collectives = _collectives(torch)

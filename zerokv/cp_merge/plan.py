@@ -20,6 +20,7 @@ from ..core import executor as _executor
 from ..core import layout as _layout
 from ..core import plans as _plans
 from ..core import spec as _spec
+from ..core.generic_tensors import also_read
 from ..core.layout import INT32
 from ..core.tensors import Tensor, torch_tensor_type, torch_view
 from .a2a import CpSendBuffer
@@ -37,21 +38,25 @@ class Facts:
 
 
 def read(v, s, sinks, out, out_lse, out_scale, shards) -> Facts | None:
-    """The facts of a call whose tensors are all plain torch tensors (read directly: no DLPack);
-    None otherwise (a subclass, another producer, a sparse tensor: the full validation decides)."""
+    """The facts of a call whose tensors are all plain torch tensors or module parameters (read
+    directly: no DLPack); None otherwise (another subclass, another producer, a sparse tensor:
+    the full validation decides)."""
     tt = torch_tensor_type()
-    if type(v) is not tt or type(s) is not tt:
+    pt = also_read(tt)
+    if (type(v) is not tt and not issubclass(type(v), pt)) or (
+        type(s) is not tt and not issubclass(type(s), pt)
+    ):
         return None
     try:  # v, s, out, out_lse, then the rarer options
         f = Facts()
         f.v, f.s = tv, ts = torch_view(v), torch_view(s)
         sig = [tv.dtype, tv.device, ts.dtype, ts.device]
-        f.out, f.ol = _record(out, tt, sig), _record(out_lse, tt, sig)
+        f.out, f.ol = _record(out, tt, pt, sig), _record(out_lse, tt, pt, sig)
         if sinks is None and out_scale is None and shards is None:
             f.sinks = f.scale = f.sl = f.q = None
         else:
             sl, q = (None, None) if shards is None else (shards[0], shards[1])
-            f.sinks, f.scale, f.sl, f.q = (_record(x, tt, sig) for x in (sinks, out_scale, sl, q))
+            f.sinks, f.scale, f.sl, f.q = (_record(x, tt, pt, sig) for x in (sinks, out_scale, sl, q))
     except _UNREADABLE:
         return None
     f.device = tv.device
@@ -59,13 +64,14 @@ def read(v, s, sinks, out, out_lse, out_scale, shards) -> Facts | None:
     return f
 
 
-def _record(x, tt: type, sig: list) -> Tensor | None:
+def _record(x, tt: type, pt: type, sig: list) -> Tensor | None:
     """The record of an optional tensor (None when not given), its dtype and device (or None)
-    into ``sig``; TypeError when it is not a plain torch tensor (the full validation decides)."""
+    into ``sig``; TypeError when it is not a plain torch tensor or a parameter (``pt``: the
+    full validation decides)."""
     if x is None:
         sig.append(None)
         return None
-    if type(x) is not tt:
+    if type(x) is not tt and not issubclass(type(x), pt):
         raise TypeError("not a plain torch tensor")
     t = torch_view(x)
     sig += (t.dtype, t.device)
