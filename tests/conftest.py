@@ -235,15 +235,22 @@ def _poisoned_allocations(request, monkeypatch):
     if "gpu" not in request.keywords:
         yield
         return
-    from zerokv.core import merge_plans
+    from zerokv.core import merge_plans, plans
 
-    new = merge_plans.Plan.new
+    allocator = merge_plans._allocator
 
-    def poisoned(self, like, shape, lse):
-        x = new(self, like, shape, lse)
-        if hasattr(x, "view") and getattr(x, "is_cuda", False):
-            x.view(torch.uint8).fill_(0xFF)
-        return x
+    def poisoning(plan, lse):
+        alloc = allocator(plan, lse)
 
-    monkeypatch.setattr(merge_plans.Plan, "new", poisoned)
+        def poisoned(shape, like):  # no ``direct``: the compiled executor calls it too
+            x, ptr = alloc(shape, like)
+            if hasattr(x, "view") and getattr(x, "is_cuda", False):
+                x.view(torch.uint8).fill_(0xFF)
+            return x, ptr
+
+        return poisoned
+
+    monkeypatch.setattr(merge_plans, "_allocator", poisoning)
+    plans.clear_plans()  # the plans kept hold their allocators: made again, poisoning
     yield
+    plans.clear_plans()
