@@ -437,3 +437,12 @@ def test_cpu_group_fp8_of_three_states_with_sinks():
     merged, _ = oracles.merge(v, s, sinks=sinks)
     values, scales = _hand_group_fp8(merged, 16, True)
     assert np.array_equal(f64(out), values) and np.array_equal(f64(bs), scales)
+
+
+def test_fp8_saturation_is_the_formats_largest_finite_value():
+    """The dtype table's saturation column, the reference's constant and ml_dtypes' largest
+    finite e4m3fn agree (the table feeds the kernels' checks; the reference is its own oracle)."""
+    from zerokv.core import dtypes as _dtypes
+
+    top = float(ml_dtypes.finfo(E4M3).max)
+    assert _dtypes.TABLE["float8_e4m3fn"].saturate == top == reference.FP8_E4M3_MAX
