@@ -70,10 +70,10 @@ from typing import Any
 PACKAGE = __package__ or "bench"
 PARTS = {
     "merge": "bench_merge",
-    "options": "bench_merge",
+    "options": "bench_options",
     "empty_rows": "bench_empty_rows",
     "host": "bench_host",
-    "compile": "bench_host",
+    "compile": "bench_compile",
     "cp": "bench_cp",
 }
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -134,7 +134,8 @@ def gpu_problem(torch: Any) -> str | None:
 
 
 def make_bench(torch: Any, args: argparse.Namespace) -> Any:
-    from .common import Bench, CudaTimer, FakeTimer
+    from .common import Bench
+    from .timing import CudaTimer, FakeTimer
 
     if args.dry_run:
         return Bench(torch, torch.device("cpu"), FakeTimer(), l2_bytes=4096, mode="dry")
@@ -164,8 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench: {problem}: nothing measured. (--dry-run runs the pipeline on the CPU.)")
         return 0
 
-    from . import report
-    from .common import Progress, Row, free_memory
+    from . import plot, report, run_record, targets
+    from .common import Row, free_memory
+    from .progress import Progress
 
     torch.manual_seed(0)
     b = make_bench(torch, args)
@@ -193,16 +195,16 @@ def main(argv: list[str] | None = None) -> int:
         free_memory(b)
     progress.close()
 
-    targets = report.evaluate(rows, big_bytes=0 if b.dry else 256e6)
-    env = report.environment(b, {"quick": args.quick, "only": args.parts, "dry_run": args.dry_run})
+    judged = targets.evaluate(rows, big_bytes=0 if b.dry else 256e6)
+    env = run_record.environment(b, {"quick": args.quick, "only": args.parts, "dry_run": args.dry_run})
     env["wall_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"zerokv-bench-{datetime.datetime.now():%Y%m%d-%H%M%S}-{b.mode}"
-    title = report.header(env)
-    text = f"# {title}\n\n{report.summary(rows, targets)}"
-    report.write_json(stem.with_suffix(".json"), env, rows, targets)
+    title = run_record.header(env)
+    text = f"# {title}\n\n{report.summary(rows, judged)}"
+    run_record.write_json(stem.with_suffix(".json"), env, rows, judged)
     stem.with_suffix(".md").write_text(text + "\n")
-    png_note = report.write_png(rows, stem.with_suffix(".png"), title)
+    png_note = plot.write_png(rows, stem.with_suffix(".png"), title)
     print(text)
     print()
     written = [stem.with_suffix(".json"), stem.with_suffix(".md")] + (

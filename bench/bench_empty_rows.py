@@ -1,6 +1,6 @@
 """fixup_zero_kv_rows and mask_empty_context, one benchmark parametrised over the op, beside
 their torch-eager equivalents (bench/baselines.py); and the GPU time of an empty kernel launched
-as zerokv launches (the floor of the 0-empty-rows case).
+as zerokv launches (the floor of the 0-empty-rows case; bench/yardsticks.py).
 
 The batch: ``T = 32768 + 8192`` rows in requests of 64 rows, ``H = 128``, ``D = 128``, bf16;
 ``E`` empty rows (0, 64, 1024, 4096, 32768) are ``E / 64`` requests spread evenly over it.
@@ -18,7 +18,7 @@ import numpy as np
 import zerokv
 from zerokv import reference
 
-from . import baselines
+from . import baselines, yardsticks
 from .common import Bench, Entry, Row, Sets, Task, max_error, to_np, written_bytes
 
 NAN = float("nan")
@@ -76,7 +76,7 @@ def tasks(b: Bench, part: str) -> list[Task]:
 
 
 def run_empty_launch(b: Bench) -> list[Row]:
-    call = (lambda: None) if b.dry else baselines.empty_launch(b.device.index)
+    call = (lambda: None) if b.dry else yardsticks.empty_launch(b.device.index)
     t = b.timer.time(call, Sets(1, lambda k: ()))
     return [
         Row(

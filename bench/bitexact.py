@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import zerokv
-from bench import baselines
+from bench import baselines, baselines_cuda, baselines_triton
 from zerokv import reference
 
 SHAPES = ((1, 16, 512), (64, 32, 128), (4096, 128, 128), (1000, 8, 72))
@@ -74,11 +74,11 @@ def run() -> list[dict]:
             out = torch.full_like(v_a, math.nan)
             out_lse = torch.full((H, T), math.nan, device="cuda").T
             if D % (16 // v_a.element_size()) == 0:
-                others["vllm-design CUDA"] = baselines.vllm_design_merge(
+                others["vllm-design CUDA"] = baselines_cuda.vllm_design_merge(
                     v_a, s_a, v_b, s_b, out.clone(), out_lse.clone()
                 )
-            if baselines.triton_runs(dry=False):
-                others["vllm-design Triton"] = baselines.triton_merge_state(
+            if baselines_triton.triton_runs(dry=False):
+                others["vllm-design Triton"] = baselines_triton.triton_merge_state(
                     v_a, s_a, v_b, s_b, out.clone(), out_lse.clone()
                 )
             if flashinfer is not None and dtype != torch.float32:

@@ -2,13 +2,13 @@
 
 An engine's own merge is a C++ torch op: a dtype dispatch, a divisibility check, the current
 stream, one launch. This module builds the bench's merge of vLLM's design
-(``baselines.VLLM_DESIGN_SOURCE``) the same way, with nvcc through
+(``baselines_cuda.VLLM_DESIGN_SOURCE``) the same way, with nvcc through
 ``torch.utils.cpp_extension`` into a temporary directory (nothing is written into the source
 tree), as ``torch.ops.zerokv_bench.merge_attn_states(output, output_lse, prefix_output,
 prefix_lse, suffix_output, suffix_lse)`` (V ``[T, H, D]`` contiguous, LSE ``[H, T]``
 contiguous, natural log). Then, in one process and in the interleaved rounds of
 ``profile_call``: ``torch.mul(out=)``, zerokv's ``merge_state`` through each executor, the
-compiled op and the check-free launch floor of ``bench_host``, with the same tensors and with a
+compiled op and the check-free launch floor of ``host_cases``, with the same tensors and with a
 new T every call::
 
     python -m bench.compiled_op --build DIR --json FILE       # nvcc and ninja; prints the library
@@ -83,11 +83,11 @@ TORCH_LIBRARY_IMPL(zerokv_bench, CUDA, m) { m.impl("merge_attn_states", &merge_a
 
 def source() -> str:
     """The extension's one CUDA file: the bench's kernel, then the op around it."""
-    from . import baselines
+    from . import baselines_cuda
 
-    kernel = baselines.VLLM_DESIGN
+    kernel = baselines_cuda.VLLM_DESIGN
     block = f"#define ZK_BLOCK_{kernel.name} {kernel.block}\n#define BLOCK {kernel.block}\n"
-    return block + baselines.VLLM_DESIGN_SOURCE + WRAPPER
+    return block + baselines_cuda.VLLM_DESIGN_SOURCE + WRAPPER
 
 
 def build(directory: str) -> str:
@@ -172,7 +172,7 @@ def time_beside(library: str | None, cpu: bool, rounds: int, T: int) -> dict[str
     import zerokv
     from zerokv.core import executor
 
-    from . import bench_host, profile_call
+    from . import host_cases, profile_call
 
     H, D = profile_call.H, profile_call.D
     dev = "cpu" if cpu else "cuda"
@@ -215,7 +215,7 @@ def time_beside(library: str | None, cpu: bool, rounds: int, T: int) -> dict[str
         except Exception as e:
             notes["vLLM-design compiled op"] = f"failed: {type(e).__name__}: {e}"[:600]
         try:
-            floor = bench_host.launch_floor(_FloorBench(torch))
+            floor = host_cases.launch_floor(_FloorBench(torch))
             sa_th, sb_th, ol_th = sa.T.contiguous(), sb.T.contiguous(), ol.T.contiguous()
             floor(va, sa_th, vb, sb_th, out=out, out_lse=ol_th)
             steps["launch floor (no check)"] = lambda: floor(va, sa_th, vb, sb_th, out=out, out_lse=ol_th)
@@ -233,7 +233,7 @@ def time_beside(library: str | None, cpu: bool, rounds: int, T: int) -> dict[str
 
 
 class _FloorBench:
-    """What ``bench_host.launch_floor`` reads of a bench: the torch module, a GPU run."""
+    """What ``host_cases.launch_floor`` reads of a bench: the torch module, a GPU run."""
 
     dry = False
 

@@ -1,13 +1,14 @@
-"""What a GPU run's outputs say, and whether zerokv's release goals are met: pytest's and
-compute-sanitizer's lines read, the GPU tests each executor runs, the quick bench against the
-last runs kept in ``bench/h200/``, and each goal judged with its value (``bench/h200.py`` runs
-the commands and writes the files)."""
+"""Whether a GPU run meets zerokv's release goals: each goal judged on the parts' records with
+its value (pass, fail, or why it was not judged), the verdict over all of them, the parts to
+run next, and one record assembled from runs of different parts. The commands are run by
+``bench/h200.py`` and its part modules; what they print is read by ``h200_outputs``, the bench
+against the last runs by ``h200_history``.
+"""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -15,238 +16,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PARTS = ("env", "bench", "host", "sanitizer", "tests", "executors")
 EXECUTORS = ("c", "python")
 EXECUTOR_LABEL = {"c": "C executor", "python": "Python executor"}
-# the GPU tests each executor runs, by what they cover (files, or node ids outside those files)
-EXECUTOR_TESTS = {
-    "merges": ("tests/test_merge.py", "tests/test_merge_options.py", "tests/test_fp8.py"),
-    "empty-row ops": ("tests/test_empty_rows.py", "tests/test_lying_offsets.py"),
-    "adapters": ("tests/test_compat.py", "tests/test_flashinfer_adapter.py", "tests/test_torch_ops.py"),
-    "CUDA-graph capture": (
-        "tests/test_precompile.py::test_precompile_then_cuda_graph_capture_compiles_nothing",
-        "tests/test_cp_merge.py::test_a2a_kernels_in_a_cuda_graph",
-    ),
-}
 # goals, x torch.mul(out=) of the same process
 NEW_T_GOAL, OPTION_MARGIN, ALLOCATED_GOAL = 0.5, 0.05, 1.0
 # profile_call's rows that are not an option, layout or adapter of the plain call, and the other ops
 NOT_OPTIONS = ("public call", "public call, new T", "executor alone", "allocated outputs")
 OTHER_OPS = ("merge_states", "fixup_zero_kv_rows", "mask_empty_context")
-
-
-# --- parsing ----------------------------------------------------------------------------------
-
-_COUNT = re.compile(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed|warnings?|rerun)\b")
-_OUTCOME = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
-_ONE = re.compile(rf"^(\S+::.*?) ({_OUTCOME})\b")  # -v, one process: "tests/x.py::t[a b] PASSED [ 5%]"
-_XDIST = re.compile(rf"^\[gw\d+\] \[\s*\d+%\] ({_OUTCOME}) (\S+::.*?)\s*$")  # -v, pytest-xdist
-
-
-def pytest_summary(output: str) -> dict[str, Any]:
-    """The final summary line of a pytest run and its counts."""
-    for line in reversed(output.strip().splitlines()):
-        text = line.strip().strip("=").strip()
-        if re.search(r"\bin \d+(\.\d+)?s\b", text) and (_COUNT.search(text) or "no tests ran" in text):
-            counts = {}
-            for n, word in _COUNT.findall(text):
-                word = {"error": "errors", "warning": "warnings"}.get(word, word)
-                counts[word] = int(n)
-            return {"line": text, **counts}
-    return {"line": None}
-
-
-def pytest_outcomes(output: str) -> dict[str, str]:
-    """Node id -> outcome from ``-v``'s lines (the last one of a test: a teardown error wins):
-    which tests ran, also in a run killed before its summary."""
-    got = {}
-    for line in output.splitlines():
-        if m := _ONE.match(line):
-            got[m.group(1)] = m.group(2)
-        elif m := _XDIST.match(line):
-            got[m.group(2)] = m.group(1)
-    return got
-
-
-def pytest_failures(output: str, keep: int = 60) -> list[str]:
-    """The ``FAILED``/``ERROR`` lines of ``-rfE``'s short summary."""
-    return [line for line in output.splitlines() if line.startswith(("FAILED ", "ERROR "))][:keep]
-
-
-def collected(output: str) -> dict[str, Any]:
-    """``--collect-only -q``: the node ids and the count line."""
-    ids = [
-        line.strip()
-        for line in output.splitlines()
-        if "::" in line and not line.startswith(("ERROR", "FAILED"))
-    ]
-    m = re.search(r"(\d+)(?:/(\d+))? tests? collected", output)
-    return {"count": int(m.group(1)) if m else len(ids), "ids": ids}
-
-
-def memcheck_lines(output: str) -> dict[str, Any]:
-    """``ERROR SUMMARY`` lines of compute-sanitizer and the calls line of sanitize_ops.py."""
-    summaries = [line.strip("= ").strip() for line in output.splitlines() if "ERROR SUMMARY" in line]
-    calls = [line.strip() for line in output.splitlines() if line.startswith("sanitize_ops:")]
-    raised = [line.strip() for line in output.splitlines() if line.strip().startswith("raised:")]
-    return {"error_summary": summaries, "calls": calls[-1] if calls else None, "raised": raised[:40]}
-
-
-def selects(target: str, node: str) -> bool:
-    """Whether a pytest argument (a file or a node id) selects the test ``node``."""
-    return node == target or node.startswith((target + "::", target + "["))
-
-
-def executor_selection(ids: list[str]) -> tuple[list[str], dict[str, Any]]:
-    """The arguments that select each group's tests, kept where the collection has them."""
-    args, groups = [], {}
-    for group, targets in EXECUTOR_TESTS.items():
-        kept = [t for t in targets if any(selects(t, i) for i in ids)]
-        args += kept
-        groups[group] = {"selected": kept, "missing": [t for t in targets if t not in kept]}
-    graph = [i for i in ids if "graph" in i.lower() and any(selects(a, i) for a in args)]
-    groups["CUDA-graph capture"]["tests"] = graph
-    return args, groups
-
-
-def from_outcomes(outcomes: dict[str, str], args: list[str], launcher: list[str]) -> dict[str, Any]:
-    """An executor's record made from ``pytest -m gpu``'s per-test outcomes, where that run's
-    executor (ZEROKV_LAUNCHER unset) was this one: the selected tests' outcomes counted."""
-    mine = {i: o for i, o in outcomes.items() if any(selects(a, i) for a in args)}
-    words = {
-        "PASSED": "passed",
-        "FAILED": "failed",
-        "SKIPPED": "skipped",
-        "ERROR": "errors",
-        "XFAIL": "xfailed",
-        "XPASS": "xpassed",
-    }
-    counts = {w: sum(o == k for o in mine.values()) for k, w in words.items()}
-    line = (
-        ", ".join(f"{n} {w}" for w, n in counts.items() if n) + " (per-test outcomes of the tests part's run)"
-    )
-    bad = sorted(i for i, o in mine.items() if o in ("FAILED", "ERROR"))
-    return {
-        "status": "ran",
-        "from": f"the tests part's pytest -m gpu, whose executor was {launcher[0]} ({launcher[1]})",
-        "rc": 1 if bad else 0,
-        "summary": {"line": line, **{w: n for w, n in counts.items() if n}},
-        "failures": bad[:60],
-    }
-
-
-# --- the bench against the last runs ------------------------------------------------------------
-
-
-def _rows(raw: list[dict]) -> list[Any]:
-    from .common import Row
-
-    fields = set(Row.__dataclass_fields__)
-    return [Row(**{k: v for k, v in r.items() if k in fields}) for r in raw]
-
-
-def _spread(row: Any) -> float:
-    """The relative spread of a row's interleaved replays."""
-    lo_hi = (row.stats or {}).get("replay_spread_us")
-    if not lo_hi or not row.us:
-        return 0.0
-    try:
-        return (float(lo_hi[1]) - float(lo_hi[0])) / float(row.us)
-    except (TypeError, ValueError, IndexError):
-        return 0.0
-
-
-def grid_ratios(raw: list[dict]) -> dict[tuple, tuple[float, float]]:
-    """(dtype, T, H, D, layout) -> (zerokv / best baseline, spread of that ratio)."""
-    from .report import merge_lines
-
-    out = {}
-    for x in merge_lines(_rows([r for r in raw if r.get("op") == "merge_state"])):
-        if x["ratio"] is not None:
-            out[(*x["key"], x["layout"])] = (x["ratio"], _spread(x["zerokv"]) + _spread(x["best"]))
-    return out
-
-
-def option_ratios(raw: list[dict]) -> dict[tuple, tuple[float, float]]:
-    """(T, layout, option, empty, requests, offsets, scale_format) -> (zerokv option / zerokv plain
-    merge of the same T and layout, spread of that ratio)."""
-    rows = [r for r in _rows(raw) if r.op == "merge_options" and r.impl == "zerokv" and r.us]
-    plain = {(r.T, r.params.get("layout")): r for r in rows if r.params.get("option") == "none"}
-    out = {}
-    for r in rows:
-        p = r.params
-        base = plain.get((r.T, p.get("layout")))
-        if p.get("option") == "none" or base is None:
-            continue
-        key = (
-            r.T,
-            p.get("layout"),
-            p.get("option"),
-            p.get("empty"),
-            p.get("requests"),
-            p.get("offsets"),
-            p.get("scale_format"),
-        )
-        out[key] = (r.us / base.us, _spread(r) + _spread(base))
-    return out
-
-
-def compare(
-    new: dict[tuple, tuple[float, float]], last: dict[tuple, tuple[float, float]], floor: float
-) -> dict[str, Any]:
-    """Ratios of the keys both runs have: the worst of each, and the keys whose ratio grew by
-    more than the noise (both runs' replay spreads, at least ``floor``)."""
-    common = sorted(set(new) & set(last), key=str)
-    if not common:
-        return {"common": 0, "worst_new": None, "worst_last": None, "beyond_noise": []}
-    beyond = []
-    for k in common:
-        (rn, sn), (rl, sl) = new[k], last[k]
-        noise = max(floor, sn + sl)
-        if rn - rl > noise:
-            beyond.append({"key": list(k), "last": rl, "new": rn, "diff": rn - rl, "noise": noise})
-    worst_new = max(common, key=lambda k: new[k][0])
-    worst_last = max(common, key=lambda k: last[k][0])
-    return {
-        "common": len(common),
-        "only_new": len(set(new) - set(last)),
-        "worst_new": {"key": list(worst_new), "ratio": new[worst_new][0]},
-        "worst_last": {"key": list(worst_last), "ratio": last[worst_last][0]},
-        "worst_diff": new[worst_new][0] - last[worst_last][0],
-        "max_diff": max(new[k][0] - last[k][0] for k in common),
-        "min_diff": min(new[k][0] - last[k][0] for k in common),
-        "noise_floor": floor,
-        "beyond_noise": sorted(beyond, key=lambda b: -b["diff"]),
-    }
-
-
-def last_run_with(history: Path, op: str) -> tuple[Path | None, list[dict]]:
-    """The newest bench JSON in ``history`` holding rows of ``op`` (file names carry the date)."""
-    for path in sorted(history.glob("zerokv-bench-*.json"), reverse=True):
-        try:
-            rows = json.loads(path.read_text())["rows"]
-        except (OSError, ValueError, KeyError):
-            continue
-        if any(r.get("op") == op for r in rows):
-            return path, rows
-    return None, []
-
-
-def compare_with_history(rows: list[dict], history: Path, floor: float) -> dict[str, Any]:
-    out = {}
-    for what, op, ratios in (
-        ("grid", "merge_state", grid_ratios),
-        ("options", "merge_options", option_ratios),
-    ):
-        path, last = last_run_with(history, op)
-        got = compare(ratios(rows), ratios(last), floor) if path else {"common": 0}
-        got["last_run"] = (
-            path.relative_to(ROOT).as_posix()
-            if path and path.is_relative_to(ROOT)
-            else (str(path) if path else None)
-        )
-        out[what] = got
-    return out
-
-
-# --- the goals ----------------------------------------------------------------------------------
 
 
 def _check(name: str, goal: str, value: Any, ok: bool, status: str | None = None) -> dict[str, Any]:

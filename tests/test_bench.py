@@ -29,15 +29,21 @@ def bench(monkeypatch):
     """The bench package (a folder beside zerokv, not installed)."""
     monkeypatch.syspath_prepend(str(ROOT))
     import bench.baselines
+    import bench.baselines_cuda
+    import bench.baselines_triton
     import bench.common
+    import bench.compare
     import bench.report
+    import bench.targets
+    import bench.timing
+    import bench.yardsticks
 
     return bench
 
 
 def test_vllm_design_kernel_compiles_for_sm90(bench):
-    for kernel in (bench.baselines.VLLM_DESIGN, bench.baselines.EMPTY):
-        lowered = bench.baselines.compile_offline(kernel, arch="sm_90")
+    for kernel in (bench.baselines_cuda.VLLM_DESIGN, bench.yardsticks.EMPTY):
+        lowered = bench.baselines_cuda.compile_offline(kernel, arch="sm_90")
         assert list(lowered) == kernel.expressions
         assert all(name.startswith("_Z") for name in lowered.values())
 
@@ -46,16 +52,16 @@ def test_vllm_design_checks_its_layout_and_packs_by_name(bench):
     T, H, D = 5, 3, 64
     v = [torch.randn(T, H, D, dtype=torch.bfloat16) for _ in range(3)]
     s_ht = [torch.randn(H, T) for _ in range(3)]
-    args, grid = bench.baselines.vllm_design_args(v[0], s_ht[0].T, v[1], s_ht[1].T, v[2], s_ht[2].T)
-    assert [n for n, _ in bench.baselines.VLLM_DESIGN.params] == list(args)
-    assert grid == -(-T * H * (D // 8) // bench.baselines.VLLM_DESIGN.block)
-    bench.baselines.VLLM_DESIGN.pack(**args)
+    args, grid = bench.baselines_cuda.vllm_design_args(v[0], s_ht[0].T, v[1], s_ht[1].T, v[2], s_ht[2].T)
+    assert [n for n, _ in bench.baselines_cuda.VLLM_DESIGN.params] == list(args)
+    assert grid == -(-T * H * (D // 8) // bench.baselines_cuda.VLLM_DESIGN.block)
+    bench.baselines_cuda.VLLM_DESIGN.pack(**args)
     s_th = torch.randn(T, H)  # a [T, H] LSE is not the layout this design reads
     with pytest.raises(ValueError, match="s_a"):
-        bench.baselines.vllm_design_args(v[0], s_th, v[1], s_ht[1].T, v[2], s_ht[2].T)
+        bench.baselines_cuda.vllm_design_args(v[0], s_th, v[1], s_ht[1].T, v[2], s_ht[2].T)
     with pytest.raises(ValueError, match="multiple of 8"):
         w = [torch.randn(T, H, 12, dtype=torch.bfloat16) for _ in range(3)]
-        bench.baselines.vllm_design_args(w[0], s_ht[0].T, w[1], s_ht[1].T, w[2], s_ht[2].T)
+        bench.baselines_cuda.vllm_design_args(w[0], s_ht[0].T, w[1], s_ht[1].T, w[2], s_ht[2].T)
 
 
 def test_eager_baselines_follow_the_empty_rule(bench):
@@ -89,13 +95,13 @@ def test_report_judges_zerokv_against_the_best_baseline_of_each_shape(bench):
         _row(bench, "Triton", 4.0, "TH"),
         _row(bench, "Triton", 5.0, "HT"),
     ]
-    lines = {x["layout"]: x for x in bench.report.merge_lines(rows)}
+    lines = {x["layout"]: x for x in bench.compare.merge_lines(rows)}
     assert lines["TH"]["best"].impl == lines["HT"]["best"].impl == "vLLM-design CUDA"
     assert lines["TH"]["ratio"] == pytest.approx(0.8) and lines["HT"]["ratio"] == pytest.approx(1.2)
-    judged = {t.name: t for t in bench.report.evaluate(rows)}
+    judged = {t.name: t for t in bench.targets.evaluate(rows)}
     assert judged["merge_state zerokv / best baseline, layout TH, every shape"].reached is True
     assert judged["merge_state zerokv / best baseline, layout HT, every shape"].reached is False
-    assert "merge_state zerokv" in bench.report.summary(rows, bench.report.evaluate(rows))
+    assert "merge_state zerokv" in bench.report.summary(rows, bench.targets.evaluate(rows))
 
 
 def test_report_host_targets_are_over_torch_mul_of_the_same_mode(bench):
@@ -118,7 +124,7 @@ def test_report_host_targets_are_over_torch_mul_of_the_same_mode(bench):
         host("Triton merge (vLLM design)", "baseline", "a", 40.0),  # a baseline: never judged
         Row(op="host_first", impl="merge_state, first call of a new signature", us=190.0),
     ]
-    t = {x.name: x.reached for x in bench.report.host_targets(rows)}
+    t = {x.name: x.reached for x in bench.targets.host_targets(rows)}
     assert t == {
         "host (b) the same T: merge_state (repeated, 60 layers)": False,
         "host (a) new T every call: merge_state": True,
@@ -129,7 +135,7 @@ def test_report_host_targets_are_over_torch_mul_of_the_same_mode(bench):
         "host: first call of a new signature (kernel loaded)": True,
     }
     rows[6] = host("merge_state sinks=", "zerokv", "b", 6.9)  # 1.38 <= 1.4
-    t = {x.name: x.reached for x in bench.report.host_targets(rows)}
+    t = {x.name: x.reached for x in bench.targets.host_targets(rows)}
     assert t["host (b) the same T: options, LSE layouts, adapters"] is True
 
 
@@ -208,7 +214,7 @@ def test_interleaved_timing_replays_each_graph_before_timing_it_in_a_new_order(b
     cost = {"a": 2.0, "b": 5.0, "c": 1.0, "slow": 400.0}
     cuda = _FakeCuda(cost)
     fake_torch = type("FakeTorch", (), {"cuda": cuda})()
-    timer = bench.common.CudaTimer(fake_torch, budget_us=10000.0)
+    timer = bench.timing.CudaTimer(fake_torch, budget_us=10000.0)
     sets = bench.common.Sets(3, lambda k: (k,))
 
     def impl(name):
@@ -225,7 +231,7 @@ def test_interleaved_timing_replays_each_graph_before_timing_it_in_a_new_order(b
     for t, name in zip([out[0], out[2], out[3], out[4]], ["a", "b", "c", "slow"], strict=True):
         assert t.us == pytest.approx(cost[name]) and t.stats["interleaved_with"] == 3
     rounds = out[0].stats["replays"]
-    assert rounds >= bench.common.MIN_ROUNDS
+    assert rounds >= bench.timing.MIN_ROUNDS
     # the timed part of the log: after the last graph upload, pairs of events around one replay
     log = cuda.log
     timed = [i for i, (kind, _) in enumerate(log) if kind == "event"]
@@ -335,7 +341,7 @@ def test_vllm_design_merge_matches_the_reference(bench, dtype):
     sa_ht[:, 4], sb_ht[:, 4] = 80.0, -80.0
     out = torch.full((T, H, D), NAN, device=dev, dtype=dtype)
     lse_ht = torch.full((H, T), NAN, device=dev)
-    bench.baselines.vllm_design_merge(va, sa_ht.T, vb, sb_ht.T, out, lse_ht.T)
+    bench.baselines_cuda.vllm_design_merge(va, sa_ht.T, vb, sb_ht.T, out, lse_ht.T)
     torch.cuda.synchronize()
     want_o, want_l = reference.merge_state(f64(va), f64(sa_ht.T), f64(vb), f64(sb_ht.T))
     assert_close(out, want_o, dtype, "out")
@@ -354,7 +360,7 @@ def test_triton_merge_matches_the_reference(bench):
     sa[1], sb[1], va[1], vb[1] = INF, -INF, NAN, NAN
     out = torch.full((T, H, D), NAN, device=dev, dtype=torch.bfloat16)
     lse = torch.full((T, H), NAN, device=dev)
-    bench.baselines.triton_merge_state(va, sa, vb, sb, out, lse)
+    bench.baselines_triton.triton_merge_state(va, sa, vb, sb, out, lse)
     torch.cuda.synchronize()
     want_o, want_l = reference.merge_state(f64(va), f64(sa), f64(vb), f64(sb))
     assert_close(out, want_o, torch.bfloat16, "out")

@@ -177,9 +177,9 @@ def test_a_driver_that_sees_no_device(monkeypatch):
         "import zerokv; print(zerokv.can_run())",
         ONE_KERNEL + "import zerokv.selfcheck as s; print(s.main(quiet=True))",
         "import types, torch\n"
-        "from bench import report\n"
+        "from bench import run_record\n"
         "b = types.SimpleNamespace(torch=torch, mode='dry', dry=True, l2_bytes=4096, copy_gbps=None)\n"
-        "print(report.environment(b, {})['cupy'])",
+        "print(run_record.environment(b, {})['cupy'])",
     ],
     ids=["can_run", "selfcheck", "bench_dry_run"],
 )

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from bench import h200
+from bench import h200, h200_bench, h200_run, h200_tests
+from bench import h200_history as history
+from bench import h200_outputs as outputs
 from bench import h200_results as results
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,7 +95,7 @@ def test_cpu_mode_runs_the_gpu_tests_collected_and_skipped(cpu_run):
     # the summary line and the per-test lines are two records of one run: they agree
     assert summary["skipped"] == run["outcomes"]["SKIPPED"] == tests["tests_seen"] > 1000
     assert "passed" not in summary and "failed" not in summary
-    assert "--deselect " + h200.MEMCHECK_TEST in run["cmd"]
+    assert "--deselect " + h200_tests.MEMCHECK_TEST in run["cmd"]
     assert summary["deselected"] >= 1
 
 
@@ -198,7 +200,7 @@ WANT = {
 
 @pytest.mark.parametrize("output", [ONE_PROCESS, XDIST], ids=["one process", "xdist"])
 def test_per_test_outcomes_of_verbose_output(output):
-    assert results.pytest_outcomes(output) == WANT
+    assert outputs.pytest_outcomes(output) == WANT
 
 
 @pytest.mark.parametrize(
@@ -212,13 +214,13 @@ def test_per_test_outcomes_of_verbose_output(output):
     ],
 )  # fmt: skip
 def test_the_summary_line_and_its_counts(line, want):
-    got = results.pytest_summary(f"some output\n{line}\n\n")
+    got = outputs.pytest_summary(f"some output\n{line}\n\n")
     assert got == {"line": line.strip("= "), **want}
 
 
 def test_a_killed_run_has_no_summary_line():
-    assert results.pytest_summary(XDIST) == {"line": None}
-    assert results.pytest_failures(ONE_PROCESS) == [
+    assert outputs.pytest_summary(XDIST) == {"line": None}
+    assert outputs.pytest_failures(ONE_PROCESS) == [
         "FAILED tests/test_a.py::test_fail - assert 0",
         "ERROR tests/test_a.py::test_err - RuntimeError: teardown",
     ]
@@ -233,7 +235,7 @@ def test_memcheck_lines():
         "========= Invalid __global__ read of size 4 bytes\n"
         "========= ERROR SUMMARY: 3 errors\n"
     )
-    assert results.memcheck_lines(output) == {
+    assert outputs.memcheck_lines(output) == {
         "error_summary": ["ERROR SUMMARY: 3 errors"],
         "calls": "sanitize_ops: 812 calls, 1 raised",
         "raised": ["raised: merge_state out x: ValueError: v_a"],
@@ -242,7 +244,7 @@ def test_memcheck_lines():
 
 def test_an_executors_record_from_the_whole_runs_outcomes():
     outcomes = {**WANT, "tests/test_b.py::test_x[1]": "PASSED", "tests/test_c.py::test_y": "FAILED"}
-    rec = results.from_outcomes(outcomes, ["tests/test_a.py", "tests/test_b.py::test_x"], ["c", "compiled"])
+    rec = outputs.from_outcomes(outcomes, ["tests/test_a.py", "tests/test_b.py::test_x"], ["c", "compiled"])
     assert rec["summary"] == {
         "line": "3 passed, 1 failed, 1 skipped, 1 errors (per-test outcomes of the tests part's run)",
         "passed": 3,
@@ -269,7 +271,7 @@ def test_grid_ratio_is_zerokv_over_the_best_baseline_of_the_shape():
         _row("merge_state", "Triton", 12.0, layout="TH"),
         _row("merge_state", "zerokv", 5.0, T=1, layout="TH"),  # no baseline: no ratio
     ]
-    got = results.grid_ratios(rows)
+    got = history.grid_ratios(rows)
     assert set(got) == {("bf16", 256, 128, 128, "TH"), ("bf16", 256, 128, 128, "HT")}
     assert got[("bf16", 256, 128, 128, "TH")] == pytest.approx((0.9, 0.01 + 0.02))
     assert got[("bf16", 256, 128, 128, "HT")] == pytest.approx((0.99, 0.02))
@@ -284,7 +286,7 @@ def test_option_ratio_is_over_the_plain_merge_of_the_same_T_and_layout():
         _row("merge_options", "zerokv fixup + merge", 30.0, option="a_empty", empty=0.25, layout="TH"),
         _row("merge_options", "zerokv", 8.0, T=512, option="sinks", layout="TH"),  # no plain row
     ]
-    got = results.option_ratios(rows)
+    got = history.option_ratios(rows)
     assert got == {
         (256, "TH", "a_empty", 0.25, None, None, None): pytest.approx((1.2, 0.0)),
         (256, "HT", "a_empty", 0.25, None, None, None): pytest.approx((1.05, 0.1)),
@@ -294,7 +296,7 @@ def test_option_ratio_is_over_the_plain_merge_of_the_same_T_and_layout():
 def test_compare_counts_a_change_only_beyond_the_noise():
     last = {"a": (1.00, 0.01), "b": (1.00, 0.0), "c": (1.10, 0.0), "d": (0.95, 0.05), "old": (0.5, 0.0)}
     new = {"a": (1.05, 0.01), "b": (1.015, 0.0), "c": (1.00, 0.0), "d": (1.03, 0.05), "new": (2.0, 0.0)}
-    got = results.compare(new, last, floor=0.02)
+    got = history.compare(new, last, floor=0.02)
     assert got["common"] == 4 and got["only_new"] == 1
     # a: +0.05 beyond max(0.02, 0.02); b: +0.015 within the floor; c: faster; d: +0.08 within 0.1
     assert [b["key"] for b in got["beyond_noise"]] == [["a"]]
@@ -302,11 +304,11 @@ def test_compare_counts_a_change_only_beyond_the_noise():
     assert got["worst_new"] == {"key": ["a"], "ratio": 1.05}
     assert got["worst_last"] == {"key": ["c"], "ratio": 1.10}
     assert got["max_diff"] == pytest.approx(0.08) and got["min_diff"] == pytest.approx(-0.10)
-    assert results.compare({"x": (1.0, 0.0)}, last, 0.02)["common"] == 0
+    assert history.compare({"x": (1.0, 0.0)}, last, 0.02)["common"] == 0
 
 
 def test_the_last_runs_are_found_in_the_history():
-    path, rows = results.last_run_with(REPO / "bench" / "h200", "merge_options")
+    path, rows = history.last_run_with(REPO / "bench" / "h200", "merge_options")
     assert path is not None and any(r["op"] == "merge_options" for r in rows)
     newer = [p for p in (REPO / "bench" / "h200").glob("zerokv-bench-*.json") if p.name > path.name]
     for p in newer:  # none newer holds option rows
@@ -370,7 +372,7 @@ def test_host_goals_on_cpu_figures_are_not_judged():
 
 def _gpu_parts(memcheck_summary="ERROR SUMMARY: 0 errors", failed=0):
     line = f"{failed} failed, 2000 passed in 300.0s" if failed else "2000 passed in 300.0s"
-    pytest_rec = {"status": "ran", "rc": 1 if failed else 0, "summary": results.pytest_summary(line)}
+    pytest_rec = {"status": "ran", "rc": 1 if failed else 0, "summary": outputs.pytest_summary(line)}
     return {
         "tests": {"status": "ran", "pytest": pytest_rec},
         "sanitizer": {
@@ -439,17 +441,17 @@ def test_assemble_command_writes_one_summary(tmp_path):
 
 
 def _run(tmp_path, budget=60.0, cpu=False):
-    return h200.Run(out=tmp_path, work=tmp_path, cpu=cpu, budget_s=budget, parts=list(h200.PARTS))
+    return h200_run.Run(out=tmp_path, work=tmp_path, cpu=cpu, budget_s=budget, parts=list(results.PARTS))
 
 
 def test_a_missing_program_is_recorded(tmp_path):
-    rec, output = h200.command(_run(tmp_path), "x", [str(tmp_path / "no-such-program")], "probe")
+    rec, output = h200_run.command(_run(tmp_path), "x", [str(tmp_path / "no-such-program")], "probe")
     assert rec["status"].startswith("failed: FileNotFoundError") and output == ""
 
 
 def test_a_step_past_its_cap_is_killed_with_its_children(tmp_path, monkeypatch):
-    monkeypatch.setitem(h200.CAPS, "probe", 2)
-    monkeypatch.setattr(h200, "MIN_STEP_S", 1.0)
+    monkeypatch.setitem(h200_run.CAPS, "probe", 2)
+    monkeypatch.setattr(h200_run, "MIN_STEP_S", 1.0)
     pid_file = tmp_path / "child"
     code = (
         "import subprocess, sys, time; "
@@ -457,7 +459,7 @@ def test_a_step_past_its_cap_is_killed_with_its_children(tmp_path, monkeypatch):
         f"open({str(pid_file)!r}, 'w').write(str(c.pid)); print('started', flush=True); time.sleep(60)"
     )
     start = time.monotonic()
-    rec, output = h200.command(_run(tmp_path), "sleeper", [sys.executable, "-c", code], "probe")
+    rec, output = h200_run.command(_run(tmp_path), "sleeper", [sys.executable, "-c", code], "probe")
     assert time.monotonic() - start < 30
     assert rec["status"] == "timed out after 2 s" and "started" in output
     child = int(pid_file.read_text())
@@ -475,7 +477,7 @@ def test_a_step_past_its_cap_is_killed_with_its_children(tmp_path, monkeypatch):
 
 
 def test_a_step_that_no_longer_fits_is_not_started(tmp_path):
-    rec, _ = h200.command(_run(tmp_path, budget=5.0), "late", [sys.executable, "-c", "pass"], "probe")
+    rec, _ = h200_run.command(_run(tmp_path, budget=5.0), "late", [sys.executable, "-c", "pass"], "probe")
     assert rec["status"] == "not run: out of time (5 s budget spent)"
     assert results.leftover({"host": {"status": "ran", "profile_call": rec}}) == [
         "bench", "host", "sanitizer", "tests", "executors",
@@ -497,7 +499,7 @@ def test_the_sanitizer_part_reads_each_executors_error_summary(tmp_path, monkeyp
     tool.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     run = _run(tmp_path)
-    rec = h200.part_sanitizer(run)
+    rec = h200_tests.part_sanitizer(run)
     assert rec["tool"] == str(tool)
     for name in ("c", "python"):
         step = rec["executors"][name]
@@ -518,7 +520,7 @@ def test_the_background_build_is_waited_for_and_read(tmp_path):
     (tmp_path / "vllm-op.log").write_text("building\n")
     proc = subprocess.Popen([sys.executable, "-c", code])
     run.background["build"] = {"proc": proc, "argv": ["build"], "result": result, "start": time.monotonic()}
-    rec = h200.wait_op_build(run)
+    rec = h200_bench.wait_op_build(run)
     assert rec["status"] == "ran" and rec["rc"] == 0
     assert rec["library"] == "/x/op.so" and rec["tail"] == ["building"]
 
@@ -526,6 +528,6 @@ def test_the_background_build_is_waited_for_and_read(tmp_path):
 def test_pytest_runs_in_workers_only_on_a_gpu(tmp_path):
     run = _run(tmp_path)
     run.workers = 6
-    assert h200._pytest_argv(run, ["-m", "gpu"])[-2:] == ["-n", "6"]
+    assert h200_tests._pytest_argv(run, ["-m", "gpu"])[-2:] == ["-n", "6"]
     run.cpu = True
-    assert "-n" not in h200._pytest_argv(run, ["-m", "gpu"])
+    assert "-n" not in h200_tests._pytest_argv(run, ["-m", "gpu"])
