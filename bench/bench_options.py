@@ -239,7 +239,7 @@ def _a_empty_one_pass(va: Any, sa: Any, vb: Any, sb: Any, o: Any, ol: Any, cu: A
     consts.k, consts.inv_k = zerokv.core.checks.LSE_BASES["e"]
     consts.suffix_verbatim, consts.a_is64, consts.prefix_rows, consts.ue8m0 = 0, int(c.a64), 0, 0
     launcher = plans.launcher(form.kernel, targs, f.device)
-    get = merge_plans.getter(form.kernel, facts.record(spec.MERGE_STATE))
+    get = merge_plans.getter(form.kernel)
     f.rows = f.T * f.H
     launcher.launch_values(form.grid, form.grid_y, device.torch_stream(f.device), get(f, form, consts))
     return o, ol

@@ -107,9 +107,10 @@ def test_empty_rows_grid_is_persistent_but_never_past_one_store_per_thread(vec):
     H, D = 4, 64
     per_token = H * max(1, D // vec)
     full = per_sm * DEV.sms * 256 // per_token  # tokens that fill the persistent grid
-    assert forms.empty_rows_grid(full, H, D, vec, DEV) == per_sm * DEV.sms
-    assert forms.empty_rows_grid(full * 4, H, D, vec, DEV) == per_sm * DEV.sms
-    assert forms.empty_rows_grid(1, H, D, vec, DEV) == 1
+    form = forms.empty_rows_form(H, D, vec, DEV, ())
+    assert forms.launch_grid(form, full) == (per_sm * DEV.sms, 1)
+    assert forms.launch_grid(form, full * 4) == (per_sm * DEV.sms, 1)
+    assert forms.launch_grid(form, 1) == (1, 1)
 
 
 def _same_form(a, b):

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import inspect
 import sys
+from typing import Any
 
 import numpy as np
 
 from .. import reference
+from . import checks as _checks
 from . import dtypes as _dtypes
+from . import outputs as _outputs
 from . import spec as _spec
 from .tensors import Tensor
 from .validation import Checked
@@ -25,9 +28,25 @@ _TO_REFERENCE = tuple(o for o in _spec.MERGE_STATE.options if o.name in _TAKES)
 WRITING = ("row_mask", "out_scale", "out_block_scale")
 
 
-def merge_two(c: Checked, o: Tensor, ol: Tensor | None, prefix_rows: int, verbatim: bool) -> None:
-    """A validated two-way merge into ``o``/``ol``."""
+def _outputs_of(c: Checked, like: Tensor, out: Any, out_lse: Any, want_lse: bool) -> tuple:
+    """``(out, out_lse, out view, out_lse view)`` of a validated merge: those the call left None
+    allocated on the host like ``like`` (the LSE only when ``want_lse``)."""
+    o, ol = c.tensors.get("out"), c.tensors.get("out_lse")
+    T, H, D = like.shape[-3:]
+    if o is None:
+        out = _outputs.new(like.obj, like.is_torch, -1, (T, H, D), like.dtype)
+        o = _checks.view(out, "out")
+    if ol is None and want_lse:
+        out_lse = _outputs.new(like.obj, like.is_torch, -1, (T, H), "float32")
+        ol = _checks.view(out_lse, "out_lse")
+    return out, out_lse, o, ol
+
+
+def merge_two(c: Checked, out: Any, out_lse: Any, want_lse: bool, prefix_rows: Any, verbatim: bool) -> tuple:
+    """A validated two-way merge on the host (``prefix_rows`` None: T); its outputs."""
     t = c.tensors
+    out, out_lse, o, ol = _outputs_of(c, t["v_a"], out, out_lse, want_lse)
+    prefix_rows = c.sym["T"] if prefix_rows is None else prefix_rows
     options = {}
     for opt in _TO_REFERENCE:  # each given one as float64 arrays (a tuple of several)
         if opt.name in c.options:
@@ -42,16 +61,19 @@ def merge_two(c: Checked, o: Tensor, ol: Tensor | None, prefix_rows: int, verbat
     write_merged(o, res, c, rows)
     if ol is not None:
         write(ol, lse, rows)
+    return out, out_lse
 
 
-def merge_states(c: Checked, o: Tensor, ol: Tensor | None) -> None:
-    """A validated N-way merge into ``o``/``ol``."""
+def merge_states(c: Checked, out: Any, out_lse: Any, want_lse: bool) -> tuple:
+    """A validated N-way merge on the host; its outputs."""
     t = c.tensors
+    out, out_lse, o, ol = _outputs_of(c, t["v"], out, out_lse, want_lse)
     sinks = to_f64(t["sinks"]) if "sinks" in t else None
     res, lse = reference.merge_states(to_f64(t["v"]), to_f64(t["s"]), c.scalars["lse_base"], sinks)
     write_merged(o, res, c)
     if ol is not None:
         write(ol, lse)
+    return out, out_lse
 
 
 def empty_rows(c: Checked, rule_offsets: bool) -> None:

@@ -26,10 +26,6 @@ _SPECS = {
     _kernels.RULE_KV_LENS_ZERO: _spec.FIXUP_ZERO_KV_ROWS,
     _kernels.RULE_CONTEXT_SPAN_EMPTY: _spec.MASK_EMPTY_CONTEXT,
 }
-_NAMES = {
-    _kernels.RULE_KV_LENS_ZERO: ("out", "lse", "cu_seqlens_q", "kv_lens"),
-    _kernels.RULE_CONTEXT_SPAN_EMPTY: ("out", "lse", "cu_seqlens_q", "cu_seqlens_kv"),
-}
 
 
 def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
@@ -40,12 +36,12 @@ def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
     done, calls = _plans.recent_call(key, objs, ())  # the bound calls of the signatures met last
     if done:
         return
-    c = validate(objs, rule, names or _NAMES[rule])
+    c = validate(objs, rule, names)
     f = _facts.of(_SPECS[rule], c, objs)
     if f.device < 0:
         _cpu.empty_rows(c, rule_offsets=rule == _kernels.RULE_CONTEXT_SPAN_EMPTY)
         return
-    plan = _plans.get(("empty_rows", rule, f.sig)) or _new_plan(f, c, rule)
+    plan = _plans.lookup(("empty_rows", rule, f.sig), lambda: Plan(f, c, rule))
     if not _plans.plan_call(key, plan, objs, (), calls):
         plan.launch(f)
 
@@ -53,19 +49,12 @@ def run(rule: int, objs: tuple, names: tuple[str, ...] | None) -> None:
 python_run = run  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
-def _new_plan(f: Any, c: _validation.Checked, rule: int) -> Plan:
-    return _plans.lookup(("empty_rows", rule, f.sig), lambda: Plan(f, c, rule))
-
-
-def validate(objs: tuple, rule: int, names: tuple[str, ...]) -> _validation.Checked:
+def validate(objs: tuple, rule: int, names: tuple[str, ...] | None) -> _validation.Checked:
     """Every check of an empty-rows call (its spec's), with the caller's names (out, lse, cu,
-    lens)."""
+    lens; None: the spec's)."""
     spec = _SPECS[rule]
-    shown = dict(zip((a.name for a in spec.args), names, strict=True))
+    shown = dict(zip((a.name for a in spec.args), names, strict=True)) if names else None
     return _validation.validate(spec, objs, shown=shown)
-
-
-_GRID_CACHE_LIMIT = 4096  # distinct (T, H, D) a plan keeps; past it, it starts again
 
 
 class Consts:
@@ -83,16 +72,12 @@ class Plan:
         self.vec = _kernels.vec(o.dtype) if f.sig[-2] else 1
         self.consts = Consts()
         self.consts.q_is64 = int(cu.dtype == "int64")
-        self.lens_size = 8 if lens.dtype == "int64" else 4
-        targs = (_dtypes.ctype(o.dtype), self.vec, rule, int(self.lens_size == 8))
+        targs = (_dtypes.ctype(o.dtype), self.vec, rule, int(lens.dtype == "int64"))
         self.launcher = _plans.launcher(_kernels.EMPTY_ROWS, targs, self.device)
         self.get = _kernels.EMPTY_ROWS.getter(_facts.record(_SPECS[rule]), Consts)
         self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
-        self.out_size = _dtypes.itemsize(o.dtype)
         self.stream = _device.torch_stream if f.torch else _device.cupy_stream
-        self.torch, self.out_dtype = f.torch, o.dtype
-        self.grids: dict = {}  # (T, H, D) -> the grid of that size
-        self.in_size = self.out_size
+        self.torch, self.in_size, self.targs = f.torch, _dtypes.itemsize(o.dtype), targs
         self.bound = _bind(self, f.objs, rule, targs)
 
     def launch(self, f: Any) -> None:
@@ -101,15 +86,8 @@ class Plan:
         if f.batch == 0 or T * H == 0:
             return
         f.flat = int(f.out_sh == D and f.out_st == H * D)
-        grid = self.grids.get((T, H, D)) or self.grid(T, H, D)
+        grid, _ = _forms.launch_grid(_forms.empty_rows_form(H, D, self.vec, self.dev, self.targs), T)
         self.launcher.launch_values(grid, 1, self.stream(self.device), self.get(f, self.consts))
-
-    def grid(self, T: int, H: int, D: int) -> int:
-        """The grid of a size met for the first time, kept."""
-        if len(self.grids) >= _GRID_CACHE_LIMIT:
-            self.grids.clear()
-        grid = self.grids[T, H, D] = _forms.empty_rows_grid(T, H, D, self.vec, self.dev)
-        return grid
 
 
 def _bind(plan: Plan, objs: tuple, rule: int, targs: tuple) -> _bound.BoundCall | None:

@@ -24,13 +24,6 @@ _state: dict[str, Any] = {}  # the process's choice: "name", "why", "module"
 _on_compiled: list[Any] = []
 
 
-def _want(choice: str | None) -> str:
-    want = (choice or os.environ.get(ENV) or "auto").strip().lower()
-    if want not in CHOICES:
-        raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {want!r}")
-    return want
-
-
 def _load(want: str) -> tuple[Any, str]:
     if want == "python":
         return None, f"{ENV}=python"
@@ -44,7 +37,10 @@ def choose() -> tuple[str, str]:
     ``c`` raises RuntimeError when the compiled one cannot load."""
     with _lock:
         if not _state:
-            module, why = _load(_want(None))
+            want = (os.environ.get(ENV) or "auto").strip().lower()
+            if want not in CHOICES:
+                raise ValueError(f"{ENV} must be one of {', '.join(CHOICES)}, got {want!r}")
+            module, why = _load(want)
             _state.update(name="python" if module is None else "c", why=why, module=module)
             # the runner the ops call from now on (plans read ``executor.run`` on each call)
             globals()["run"] = _runner(module)

@@ -2,8 +2,8 @@
 properties, their thresholds in one table.
 
 A merge form family is a row of ``MERGE_FORMS``: its rule (the call's facts -> a ``Form``:
-kernel description, template arguments, grid, geometry; or None), the options (features) its
-code takes, and the template arguments a call's features add (``flags``). ``merge_two`` walks
+kernel description, template arguments, grid, geometry; or None) and the options (features) its
+code takes. ``merge_two`` walks
 the rows in order and takes the first whose features cover the call's and whose rule gives a
 form; the "rows" row (merge_state_kernel) takes every feature and layout, so it ends the walk.
 """
@@ -133,10 +133,6 @@ class MergeCall(NamedTuple):
     a_many: bool = False  # a_empty with more requests than a warp's window takes (kernels.A_WINDOW)
 
 
-def _div(d: int) -> tuple[int, int]:
-    return _kernels.fast_divisor(d)
-
-
 def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -150,7 +146,7 @@ def flat_family(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> 
     packs = c.D // c.vec
     threads = c.T * c.H * packs
     extra = (threads, packs)
-    if not c.fits32:
+    if not c.fits32 or (not c.strides32 and "group_fp8" in c.features):  # per-group fp8: its 64-bit form
         if threads >= INT32 or c.vec == 1:
             return None
         k = _kernels.MERGE_STATE_FLAT64_GATHERED
@@ -170,8 +166,8 @@ def flat_family(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> 
 
 def _flat_form(k: _kernels.Kernel, targs: tuple, extra: tuple, H: int) -> Form:
     threads, packs = extra
-    pm, ps = _div(packs)
-    hm, hs = _div(H)
+    pm, ps = _kernels.fast_divisor(packs)
+    hm, hs = _kernels.fast_divisor(H)
     return Form(k, targs, _ceil(threads, k.block), 1, packs, pm, ps, hm, hs, per_token=H * packs)
 
 
@@ -195,10 +191,10 @@ def _heads(c: MergeCall, ctypes: tuple, flags: tuple) -> Form | None:
     )
 
 
-def _rows(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> Form:
+def _rows(c: MergeCall, dev: Device, ctypes: tuple) -> Form:
     """merge_state_kernel: a row's packs over ``lanes`` threads, ``ppt`` packs each; the lean
-    code (``full`` 0) without options, 32-bit indices where every offset fits (``flags``:
-    unused, its ``full`` takes every option)."""
+    code (``full`` 0) without options (``full`` takes every one), 32-bit indices where every
+    offset fits."""
     packs = c.D // c.vec
     nbytes = c.T * c.H * c.D * (2 * _dtypes.itemsize(c.in_dtype) + _dtypes.itemsize(c.out_dtype))
     a, b, x, y = THRESHOLDS["rows_mid_l2"]
@@ -242,7 +238,7 @@ _FEATURE_BITS = {
 _FP8_FEATURES = frozenset({"out_scale", "group_fp8"})
 
 
-def flat_options(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) -> Form | None:
+def flat_options(c: MergeCall, dev: Device, ctypes: tuple) -> Form | None:
     """The flat family with one option compiled in (FEAT): every size class, both index
     widths, both LSE layouts. Inputs and output of one dtype (an fp8 output for out_scale and
     per-group fp8); None otherwise (several options: the row-group kernel)."""
@@ -254,12 +250,6 @@ def flat_options(c: MergeCall, dev: Device, ctypes: tuple, flags: tuple = ()) ->
         return None
     feat = _FEATURE_BITS[name] | (_kernels.F_A64 if name == "a_empty" and c.a64 else 0)
     form = flat_family(c, dev, ctypes, (feat,))
-    if form is None and name == "group_fp8" and not c.inplace_lse and c.D and c.vec > 1:
-        # strides past 32 bits with spans that fit: the 64-bit form takes them
-        threads = c.T * c.H * (c.D // c.vec)
-        if threads < INT32:
-            k = _kernels.MERGE_STATE_FLAT64_GATHERED
-            form = _flat_form(k, (*ctypes, c.vec, feat), (threads, c.D // c.vec), c.H)
     if form is None:
         return None
     if form.kernel is _kernels.MERGE_STATE_FLAT:  # with options, SMALL = 1 stands for both
@@ -293,9 +283,8 @@ class MergeForm(NamedTuple):
     """A row of the merge form table: the form's rule, and the options its kernels take."""
 
     name: str
-    rule: Any  # (MergeCall, Device, ctypes, flags) -> Form | None
+    rule: Any  # (MergeCall, Device, ctypes) -> Form | None
     features: frozenset
-    flags: Any = lambda features: ()  # the call's features -> template arguments of their code
 
 
 MERGE_FORMS: tuple[MergeForm, ...] = (
@@ -310,7 +299,7 @@ def merge_two(c: MergeCall, dev: Device, ctypes: tuple) -> Form:
     """The form of a two-way merge (``ctypes``: the C element types, input and output)."""
     for row in MERGE_FORMS:
         if c.features <= row.features:
-            form = row.rule(c, dev, ctypes, row.flags(c.features))
+            form = row.rule(c, dev, ctypes)
             if form is not None:
                 return form
     if "group_fp8" in c.features:  # the row-group kernel has no per-group fp8
@@ -348,15 +337,10 @@ def merge_states(N: int, T: int, H: int, D: int, vec: int, dev: Device, targs: t
 
 
 def empty_rows_form(H: int, D: int, vec: int, dev: Device, targs: tuple) -> Form:
-    """The empty-rows kernel's form for any T (``empty_rows_grid`` as a form)."""
+    """The empty-rows kernel's form for any T: a persistent grid of blocks per SM, or fewer when
+    even every row empty would not give each thread one store (small batches: less to launch,
+    the same scan)."""
     k = _kernels.EMPTY_ROWS
     return Form(
         k, targs, 0, per_token=H * max(1, D // vec), cap=THRESHOLDS["empty_rows_blocks_per_sm"] * dev.sms
     )
-
-
-def empty_rows_grid(T: int, H: int, D: int, vec: int, dev: Device) -> int:
-    """A persistent grid of blocks per SM, or fewer when even every row empty would not give
-    each thread one store (small batches: less to launch, the same scan)."""
-    k = _kernels.EMPTY_ROWS
-    return min(THRESHOLDS["empty_rows_blocks_per_sm"] * dev.sms, _ceil(T * H * max(1, D // vec), k.block))

@@ -75,14 +75,21 @@ class Kernel:
 
         return get
 
+    @cached_property
+    def names(self) -> tuple[str, ...]:
+        """The parameters' names, in the kernel's order."""
+        return tuple(n for n, _ in self.params)
+
+    def check_names(self, given: object) -> None:
+        """TypeError unless ``given`` names every parameter and nothing else."""
+        want, got = set(self.names), set(given)
+        if want != got:
+            raise TypeError(f"{self.name}: missing {sorted(want - got)}, unknown {sorted(got - want)}")
+
     def pack(self, **values: float) -> bytes:
         """Pack by parameter name (slow, for tests and one-off launches); every name required."""
-        names = {n for n, _ in self.params}
-        missing = names - set(values)
-        extra = set(values) - names
-        if missing or extra:
-            raise TypeError(f"{self.name}: missing {sorted(missing)}, unknown {sorted(extra)}")
-        return self.packer.pack(*(values[n] for n, _ in self.params))
+        self.check_names(values)
+        return self.packer.pack(*(values[n] for n in self.names))
 
 
 def _slots(cls: type) -> set[str]:

@@ -5,6 +5,7 @@ the device's context; nothing is allocated or synced."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -50,13 +51,7 @@ class _Driver:
         self.cupy = cupy
 
 
-_driver_cache: list[_Driver] = []
-
-
-def driver() -> _Driver:
-    if not _driver_cache:
-        _driver_cache.append(_Driver())
-    return _driver_cache[0]
+driver = functools.cache(_Driver)  # the process's one _Driver, made on first use
 
 
 def primary_context(device: int) -> int:
@@ -93,13 +88,10 @@ class Launcher:
 
     def launch_values(self, grid: int, grid_y: int, stream: int, values: Sequence[Any]) -> None:
         """Launch with ``values`` (a tuple or a list), every parameter in the kernel's order: one
-        ``pack_into`` of them, then ``cuLaunchKernel`` (the one launch body)."""
-        self.pack_into(_arena.buf, 0, *values)
-        self.fire(grid, grid_y, stream)
-
-    def fire(self, grid: int, grid_y: int, stream: int) -> None:
-        """``cuLaunchKernel`` of the arguments packed in this thread's buffer."""
+        ``pack_into`` of them into this thread's buffer, then ``cuLaunchKernel`` (the one launch
+        body)."""
         a = _arena
+        self.pack_into(a.buf, 0, *values)
         a.size.value = self.nbytes
         d = self.driver
         try:

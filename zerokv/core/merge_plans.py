@@ -28,7 +28,7 @@ from . import plans as _plans
 from . import spec as _spec
 from .layout import INT32, extent, vec
 
-_FORM_CACHE_LIMIT = 4096  # (T, H, D, layout) entries a plan remembers; past it, it starts again
+_FORM_CACHE_LIMIT = 4096  # (H, D, layout) entries a plan remembers; past it, it starts again
 
 
 class Consts:
@@ -40,11 +40,13 @@ class Consts:
 _getters: dict = {}
 
 
-def getter(kernel: Any, facts_cls: type) -> Any:
-    """``get(facts, form, plan constants)``: ``kernel``'s parameters by name, in its order."""
-    g = _getters.get((kernel.name, facts_cls))
+def getter(kernel: Any) -> Any:
+    """``get(facts, form, plan constants)``: ``kernel``'s parameters by name, in its order, from
+    merge_states' facts for its own kernel, else from a two-way merge's."""
+    g = _getters.get(kernel.name)
     if g is None:
-        g = _getters[kernel.name, facts_cls] = kernel.getter(facts_cls, _forms.Form, Consts)
+        spec = _spec.MERGE_STATES if kernel is _kernels.MERGE_STATES else _spec.MERGE_STATE
+        g = _getters[kernel.name] = kernel.getter(_facts.record(spec), _forms.Form, Consts)
     return g
 
 
@@ -60,7 +62,6 @@ class Plan:
         self.vec = vec(self.in_size) if aligned else 1
         self.ctypes = (_dtypes.ctype(in_dtype), _dtypes.ctype(self.out_dtype))
         self.dev = _forms.Device(_device.sm_count(self.device), _device.l2_bytes(self.device))
-        self.forms: dict = {}  # (T, H, D, layout) -> the entry of form_entry
         self.intervals: dict = {}  # (H, D, layout) -> (t_breaks, {interval: entry})
         c = self.consts = Consts()
         c.k, c.inv_k = _checks.LSE_BASES[v.scalars["lse_base"]]
@@ -86,11 +87,10 @@ class Plan:
             f.ol_st, f.ol_sh = H, 1
         return out, out_lse
 
-    def form_entry(self, key: tuple, H: int, D: int, build: Any) -> tuple:
-        """The entry ``(form, launcher, getter, adapt)`` of ``key`` (T, then the other facts that
-        choose the form), kept in ``self.forms``; one form per interval of ``forms.t_breaks``, so
-        a new T costs a bisection. ``build(key)`` -> ``(form, facts class, adapt)`` on an
-        interval's first call; ``adapt``: None, or makes the facts the form's kernel reads."""
+    def form_entry(self, key: tuple, H: int, D: int) -> tuple:
+        """The entry ``(form, launcher)`` of ``key`` (T, then the other facts that choose the
+        form); one form per interval of ``forms.t_breaks``, so a new T
+        costs a bisection; ``self._form(key)`` on an interval's first call."""
         T, sub = key[0], key[1:]
         slot = self.intervals.get(sub)
         if slot is None:
@@ -102,13 +102,16 @@ class Plan:
         i = _forms.t_class(breaks, T)
         entry = by_class.get(i)
         if entry is None:
-            form, facts_cls, adapt = build(key)
-            launcher = _plans.launcher(form.kernel, form.targs, self.device)
-            entry = by_class[i] = (form, launcher, getter(form.kernel, facts_cls), adapt)
-        if len(self.forms) >= _FORM_CACHE_LIMIT:
-            self.forms.clear()
-        self.forms[key] = entry
+            form = self._form(key)
+            entry = by_class[i] = (form, _plans.launcher(form.kernel, form.targs, self.device))
         return entry
+
+    def fire(self, f: Any, form: Any, launcher: Any, T: int) -> None:
+        """The launch of ``form`` for a checked call: its kernel's parameters by name from the
+        facts ``f``, the form and the plan's constants."""
+        grid, grid_y = _forms.launch_grid(form, T)
+        values = getter(form.kernel)(f, form, self.consts)
+        launcher.launch_values(grid, grid_y, self.stream(self.device), values)
 
 
 # --- two-way -----------------------------------------------------------------------------------
@@ -152,8 +155,8 @@ def two(
     v = _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, _opts(scalars))
     f = _facts.of(_spec.MERGE_STATE, v, objs)
     if f.device < 0:
-        return _cpu_two(v, objs, scalars, prefix_rows)
-    plan = _plans.get((scalars, f.sig)) or _new_plan(f, v, scalars, lse_ht)
+        return _cpu.merge_two(v, objs[4], objs[5], scalars[3], prefix_rows, scalars[2])
+    plan = _plans.lookup((scalars, f.sig), lambda: TwoPlan(f, v, scalars, lse_ht))
     r = _plans.plan_call(scalars, plan, objs, (prefix_rows,), calls)
     return r if r is not None else plan.launch(f, prefix_rows)
 
@@ -175,11 +178,6 @@ _opts = LAYOUT.option_scalars  # a call's option scalars (the full checks'), fro
 python_two = two  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
-def _new_plan(f: Any, v: Any, scalars: tuple, lse_ht: Any) -> TwoPlan:
-    """The plan of a signature met for the first time (built once, under the plans' lock)."""
-    return _plans.lookup((scalars, f.sig), lambda: TwoPlan(f, v, scalars, lse_ht))
-
-
 def _th_views(objs: tuple, lse_ht: Any, names: dict | None) -> tuple:
     """The objects with their ``[H, T]`` LSEs as ``[T, H]`` views (``lse_ht(x, name)``)."""
     if lse_ht is None:
@@ -189,30 +187,6 @@ def _th_views(objs: tuple, lse_ht: Any, names: dict | None) -> tuple:
     s_a, s_b = lse_ht(s_a, n.get("s_a", "s_a")), lse_ht(s_b, n.get("s_b", "s_b"))
     out_lse = None if out_lse is None else lse_ht(out_lse, n.get("out_lse", "out_lse"))
     return (v_a, s_a, v_b, s_b, out, out_lse, *rest)
-
-
-def _cpu_two(v: Any, objs: tuple, scalars: tuple, prefix_rows: Any) -> tuple[Any, Any]:
-    """The checked call ``v`` on the host: the float64 reference, written back."""
-    T, H, D = v.sym["T"], v.sym["H"], v.sym["D"]
-    t = v.tensors
-    out, out_lse, o, ol = cpu_outputs(
-        t["v_a"], objs[4], objs[5], t.get("out"), t.get("out_lse"), (T, H, D), scalars[3]
-    )
-    _cpu.merge_two(v, o, ol, T if prefix_rows is None else prefix_rows, scalars[2])
-    return out, out_lse
-
-
-def cpu_outputs(like: Any, out: Any, out_lse: Any, o: Any, ol: Any, shape: tuple, want_lse: bool) -> tuple:
-    """The CPU path's ``(out, out_lse, out view, out_lse view)``: those the call left as None
-    allocated on the host like ``like`` (the LSE only when ``want_lse``)."""
-    T, H, D = shape
-    if o is None:
-        out = _outputs.new(like.obj, like.is_torch, -1, (T, H, D), like.dtype)
-        o = _checks.view(out, "out")
-    if ol is None and want_lse:
-        out_lse = _outputs.new(like.obj, like.is_torch, -1, (T, H), "float32")
-        ol = _checks.view(out_lse, "out_lse")
-    return out, out_lse, o, ol
 
 
 class TwoPlan(Plan):
@@ -236,16 +210,11 @@ class TwoPlan(Plan):
     def launch(self, f: Any, prefix_rows: Any) -> tuple[Any, Any]:
         """A checked call the bound call did not take: the exact widths of its layout (any
         layout, any sign of stride), then its launch."""
-        f.prefix_rows = f.T if prefix_rows is None else prefix_rows
-        f.rows = f.T * f.H
-        widest, s32 = exact(_spec.MERGE_STATE, f, self)
-        return self.finish(f, f.objs[4], f.objs[5], widest < INT32, s32)
-
-    def finish(self, f: Any, out: Any, out_lse: Any, fits: bool, s32: bool) -> tuple[Any, Any]:
-        """The checked call's outputs (those left None allocated), its form, pack, launch."""
         T, H, D = f.T, f.H, f.D
-        if out is None or (out_lse is None and self.allocate_lse):
-            out, out_lse = self.outputs(f, out, out_lse, T, H, D)
+        f.prefix_rows = T if prefix_rows is None else prefix_rows
+        f.rows = T * H
+        widest, s32 = exact(_spec.MERGE_STATE, f, self)
+        out, out_lse = self.outputs(f, f.objs[4], f.objs[5], T, H, D)
         if T * H == 0:
             return out, out_lse
         pl = f.olse
@@ -253,12 +222,10 @@ class TwoPlan(Plan):
             inplace, tiles = pl == f.sa or pl == f.sb, f.ol_st == 1 and f.ol_sh != 1
         else:
             inplace, tiles = False, f.sa_st == 1 and f.sa_sh != 1
-        key = (T, H, D, inplace, fits, s32, tiles)
+        key = (T, H, D, inplace, widest < INT32, s32, tiles)
         if self.a_empty:  # its batch past the window or not (the bound call's key too)
             key += (f.a_batch > _kernels.A_WINDOW,)
-        form, launcher, get, _ = self.forms.get(key) or self.form_entry(key, H, D, self._form)
-        grid, grid_y = _forms.launch_grid(form, T)
-        launcher.launch_values(grid, grid_y, self.stream(self.device), get(f, form, self.consts))
+        self.fire(f, *self.form_entry(key, H, D), T)
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
@@ -267,7 +234,7 @@ class TwoPlan(Plan):
             T, H, D, self.vec, self.in_dtype, self.out_dtype, self.features, inplace, fits, s32, tiles,
             bool(self.consts.a_is64), self.quant_group, key[7:] == (True,),  # a_empty past the window
         )  # fmt: skip
-        return _forms.merge_two(c, self.dev, self.ctypes), _facts.record(_spec.MERGE_STATE), None
+        return _forms.merge_two(c, self.dev, self.ctypes)
 
 
 def exact(spec: _spec.OpSpec, f: Any, plan: Plan) -> tuple[int, bool]:
@@ -304,15 +271,10 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
         t.regs["prefix_rows"] = pr = t.reg()
         t.add(A.OP_SCALAR, 0, pr, A.R_ZERO, T)
     t.regs["rows"] = rows = t.arith(A.A_MUL, T, H)
-    results, allocators = (4, 5), []
     if objs[4] is None:
-        k = t.allocated(_spec.MERGE_STATE.args[4])
-        t.add(A.OP_ALLOC, 4, len(allocators), k, 3, T, H, D)
-        allocators.append(plan.allocators[0])
+        t.add(A.OP_ALLOC, 4, 0, t.allocated(_spec.MERGE_STATE.args[4]), 3, T, H, D)
     if objs[5] is None and plan.allocate_lse:
-        k = t.allocated(_spec.MERGE_STATE.args[5])
-        t.add(A.OP_ALLOC, 5, len(allocators), k, 2, T, H)
-        allocators.append(plan.allocators[1])
+        t.add(A.OP_ALLOC, 5, 1, t.allocated(_spec.MERGE_STATE.args[5]), 2, T, H)
     widest = t.arith(A.A_MAX, A.R_WIDEST, t.arith(A.A_MUL, rows, D))
     if objs[5] is not None or plan.allocate_lse:
         pl, l0, l1 = t.regs["olse"], t.regs["ol_st"], t.regs["ol_sh"]
@@ -329,10 +291,10 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
 
     def resolve(T_: int, rest: tuple) -> _bound.Entry:
         key_ = (T_, *(int(x) if i < 2 else bool(x) for i, x in enumerate(rest)))
-        form, launcher, _, _ = plan.forms.get(key_) or plan.form_entry(key_, rest[0], rest[1], plan._form)
+        form, launcher = plan.form_entry(key_, rest[0], rest[1])
         return _binding.entry_for(regs, plan, form, launcher, T_, rest[0], rest[1])
 
-    return t.bound("merge_state", plan, 12, resolve, results, tuple(allocators), regs.values())
+    return t.bound("merge_state", plan, 12, resolve, (4, 5), plan.allocators, regs.values())
 
 
 def _allocator(plan: Plan, lse: bool):

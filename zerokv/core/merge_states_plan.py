@@ -3,7 +3,6 @@ built on the first call of a signature, its outputs never overlapping its inputs
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any
 
 from . import binding as _binding
@@ -16,7 +15,7 @@ from . import merge_checks as _merge_checks
 from . import plans as _plans
 from . import spec as _spec
 from .layout import INT32
-from .merge_plans import Plan, cpu_outputs, exact
+from .merge_plans import Plan, exact
 
 
 def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
@@ -33,8 +32,8 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     v = _merge_checks.n(objs, scalars[0], _quant(scalars))
     f = _facts.of(_spec.MERGE_STATES, v, objs)
     if f.device < 0:
-        return _cpu_n(v, objs, scalars)
-    plan = _plans.get(("n", scalars, f.sig)) or _new_plan(f, v, scalars)
+        return _cpu.merge_states(v, objs[2], objs[3], scalars[1])
+    plan = _plans.lookup(("n", scalars, f.sig), lambda: NPlan(f, v, scalars))
     r = _plans.plan_call(key, plan, objs, (), calls)
     return r if r is not None else plan.launch(f)
 
@@ -42,23 +41,9 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
 python_n = n  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
-def _new_plan(f: Any, v: Any, scalars: tuple) -> NPlan:
-    return _plans.lookup(("n", scalars, f.sig), lambda: NPlan(f, v, scalars))
-
-
 def _quant(scalars: tuple) -> tuple:
     """(quant_group, scale_format) of the call; callers without them: no per-group fp8."""
     return scalars[2] if len(scalars) > 2 else (None, "float32")
-
-
-def _cpu_n(v: Any, objs: tuple, scalars: tuple) -> tuple[Any, Any]:
-    """The checked call ``v`` on the host: the float64 reference, written back."""
-    t = v.tensors
-    out, out_lse, o, ol = cpu_outputs(
-        t["v"], objs[2], objs[3], t.get("out"), t.get("out_lse"), t["v"].shape[1:], scalars[1]
-    )
-    _cpu.merge_states(v, o, ol)
-    return out, out_lse
 
 
 class NPlan(Plan):
@@ -72,7 +57,6 @@ class NPlan(Plan):
         self.group = v.scalars.get("quant_group") or 0
         self.no_sinks = "sinks" not in v.options
         self.consts.ue8m0 = int(v.scalars["scale_format"] == "ue8m0")
-        self.scale, self.sinks = "out_scale" in v.options, "sinks" in v.options
         self.allocate_lse = scalars[1]
         self.consts.prefix_rows = 0
         self.bound = _bind_n(self, f.objs)
@@ -87,34 +71,25 @@ class NPlan(Plan):
             return out, out_lse
         tiles = f.ol_st == 1 and f.ol_sh != 1 if f.olse else f.s_st == 1 and f.s_sh != 1
         key = (T, N, H, D, widest < INT32, s32, tiles)
-        form, launcher, get, adapt = self.forms.get(key) or self.form_entry(key, H, D, self._form)
-        grid, grid_y = _forms.launch_grid(form, T)
-        values = get(f if adapt is None else adapt(f), form, self.consts)
-        launcher.launch_values(grid, grid_y, self.stream(self.device), values)
+        form, launcher = self.form_entry(key, H, D)
+        self.fire(f if form.kernel is _kernels.MERGE_STATES else _as_two(self.in_size, f), form, launcher, T)
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
         T, N, H, D, fits, s32, tiles = key
-        if self.group and N == 2 and self.no_sinks:  # per-group fp8, two states: the flat family
+        if N == 2 and (self.plain and D or self.group and self.no_sinks):  # two states: the flat family
             c = _forms.MergeCall(
-                T, H, D, self.vec, self.in_dtype, self.out_dtype, frozenset({"group_fp8"}), False, fits, s32,
-                tiles, quant_group=self.group,
+                T, H, D, self.vec, self.in_dtype, self.out_dtype, frozenset({"group_fp8"} if self.group else ()),
+                False, fits, s32, tiles, quant_group=self.group,
             )  # fmt: skip
-            form = _forms.flat_options(c, self.dev, self.ctypes)
-            if form is None:
+            form = (_forms.flat_options if self.group else _forms.flat_family)(c, self.dev, self.ctypes)
+            if form is not None:
+                return form
+            if self.group:  # per-group fp8 of two states has no other form
                 raise ValueError(
                     "out_block_scale: no kernel form takes this call (unaligned, past 2^31 elements)"
                 )
-            return form, _facts.record(_spec.MERGE_STATE), partial(_as_two, self.in_size)
-        if N == 2 and self.plain and D:
-            c = _forms.MergeCall(
-                T, H, D, self.vec, self.in_dtype, self.out_dtype, frozenset(), False, fits, s32, tiles
-            )
-            form = _forms.flat_family(c, self.dev, self.ctypes)
-            if form is not None:
-                return form, _facts.record(_spec.MERGE_STATE), partial(_as_two, self.in_size)
-        form = _forms.merge_states(N, T, H, D, self.vec, self.dev, (*self.ctypes, self.vec), self.group)
-        return form, _facts.record(_spec.MERGE_STATES), None
+        return _forms.merge_states(N, T, H, D, self.vec, self.dev, (*self.ctypes, self.vec), self.group)
 
 
 def _as_two(isz: int, f: Any) -> Any:
@@ -169,7 +144,7 @@ def _bind_n(plan: NPlan, objs: tuple) -> _bound.BoundCall | None:
     def resolve(T_: int, rest: tuple) -> _bound.Entry:
         N_, H_, D_ = rest[:3]
         key_ = (T_, N_, H_, D_, *(bool(x) for x in rest[3:]))
-        form, launcher, _, _ = plan.forms.get(key_) or plan.form_entry(key_, H_, D_, plan._form)
+        form, launcher = plan.form_entry(key_, H_, D_)
         names = regs if form.kernel is _kernels.MERGE_STATES else two
         return _binding.entry_for(names, plan, form, launcher, T_, H_, D_)
 

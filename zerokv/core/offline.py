@@ -15,7 +15,6 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from . import disk_cache as _cache
 from . import kernels as _kernels
 from . import prebuilt as _prebuilt
 from . import sources as _sources
+from .cupy_packages import installed_cupy_packages
 
 MIN_ARCH = 80
 # Archs CI compiles for: A100, A10/L4/RTX 30, L40/RTX 40, H100/H200, B200, RTX 50.
@@ -68,7 +68,7 @@ class CompileError(RuntimeError):
 
 def _cuda12() -> bool:
     """Whether this environment is set up for CUDA 12 (its CuPy), else CUDA 13 is assumed."""
-    return _installed("cupy-cuda12x") and not _installed("cupy-cuda13x")
+    return installed_cupy_packages() == ["cupy-cuda12x"]
 
 
 def install_hint() -> str:
@@ -85,14 +85,6 @@ def nvrtc_hint() -> str:
     if _cuda12():
         return "pip install 'nvidia-cuda-nvrtc-cu12>=12.8,<13' (part of the cuda12 extra)"
     return "pip install 'nvidia-cuda-nvrtc>=13,<14' (part of the cuda13 extra)"
-
-
-def _installed(dist: str) -> bool:
-    try:
-        metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return False
-    return True
 
 
 def nvrtc() -> Any:
@@ -130,19 +122,14 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def supported_archs() -> list[int]:
-    """Compute capabilities this NVRTC compiles for, from sm_80 on (e.g. [80, 86, ..., 120])."""
-    nvrtc_version()  # the library loads, or ImportError with the install command
-    (archs,) = _check(nvrtc().nvrtcGetSupportedArchs(), "supported archs")
-    return sorted(int(a) for a in archs if int(a) >= MIN_ARCH)
-
-
 def accepted_archs() -> list[str]:
     """Every arch name ``compile --arch`` takes with this NVRTC: each supported compute capability
     from sm_80 on, with its ``a`` variant from sm_90 and its ``f`` (family) variant from sm_100,
     as NVRTC 12.9+ names them. ImportError (with the install command) without NVRTC."""
+    nvrtc_version()  # the library loads, or ImportError with the install command
+    (archs,) = _check(nvrtc().nvrtcGetSupportedArchs(), "supported archs")
     names = []
-    for a in supported_archs():
+    for a in sorted(int(a) for a in archs if int(a) >= MIN_ARCH):
         names.append(f"sm_{a}")
         if a >= 90:
             names.append(f"sm_{a}a")

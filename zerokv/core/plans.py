@@ -36,7 +36,9 @@ def lookup(key: Any, build: Callable[[], Any]) -> Any:
             plan = _plans.get(key)
             if plan is None:
                 plan = build()
-                remember(key, plan)
+                if len(_plans) >= LIMIT:  # past LIMIT entries the table starts again
+                    _plans.clear()
+                _plans[key] = plan
     return plan
 
 
@@ -76,14 +78,6 @@ def plan_call(key: Any, plan: Any, objs: tuple, scalars: tuple, calls: tuple | N
             recent.clear()
         recent[key] = (bc, *calls[: RECENT - 1]) if calls else (bc,)
     return r
-
-
-def remember(key: Any, plan: Any) -> None:
-    """Store ``plan`` under ``key``; past LIMIT entries the table starts again."""
-    with _lock:
-        if len(_plans) >= LIMIT:
-            _plans.clear()
-        _plans[key] = plan
 
 
 def launcher(kernel: Any, targs: tuple, device: int) -> _launch.Launcher:

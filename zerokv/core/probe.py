@@ -13,7 +13,7 @@ import importlib.util
 import sys
 from typing import Any
 
-from .cupy_packages import CUPY_PACKAGES, check_single_cupy, installed_cupy_packages, two_cupy_message  # noqa: F401
+from .cupy_packages import TWO_CUPY, installed_cupy_packages
 
 FALLBACK = "use the engine's own kernels (e.g. vLLM's Triton merge) or zerokv's CPU path for CPU tensors"
 
@@ -85,7 +85,7 @@ def _can_run(device: Any) -> tuple[bool, str]:
         return False, wanted
     packages = installed_cupy_packages()
     if len(packages) > 1:
-        return False, two_cupy_message()
+        return False, TWO_CUPY
     if importlib.util.find_spec("cupy") is None:
         return (
             False,
