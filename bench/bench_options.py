@@ -221,10 +221,10 @@ def _a_empty_one_pass(va: Any, sa: Any, vb: Any, sb: Any, o: Any, ol: Any, cu: A
     """The fused a_empty merge on the gathered form in one span per block (v_a loaded with v_b
     on every row) where the library takes its runs of spans (F_A_RUN), launched through the
     library's form, parameters by name and launcher: the comparison behind forms.py's choice."""
-    from zerokv.core import device, facts, forms, merge_checks, merge_plans, plans, spec
+    from zerokv.core import device, facts, forms, merge_plans, plans, spec, validation
 
     objs = (va, sa, vb, sb, o, ol, cu, kv, None, None, None)
-    f = facts.of(spec.MERGE_STATE, merge_checks.two(objs, "e", None, None), objs)
+    f = facts.of(spec.MERGE_STATE, validation.validate(spec.MERGE_STATE, objs, {"lse_base": "e"}), objs)
     f.prefix_rows = f.T
     c = forms.MergeCall(
         f.T, f.H, f.D, 16 // va.element_size(), str(va.dtype).split(".")[-1], str(o.dtype).split(".")[-1],

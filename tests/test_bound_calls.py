@@ -12,7 +12,7 @@ from states import layout_states as _states
 
 import zerokv
 from zerokv.compat import sglang, vllm
-from zerokv.core import bound, empty_rows_plan, executor, facts, merge_checks
+from zerokv.core import bound, executor, facts, spec, validation
 
 H, D = 4, 64
 BF = torch.bfloat16
@@ -102,9 +102,7 @@ def counted(recorded, monkeypatch):
 
         return counted_fn
 
-    monkeypatch.setattr(merge_checks, "two", count(merge_checks.two, "validate"))
-    monkeypatch.setattr(merge_checks, "n", count(merge_checks.n, "validate"))
-    monkeypatch.setattr(empty_rows_plan, "validate", count(empty_rows_plan.validate, "validate"))
+    monkeypatch.setattr(validation, "validate", count(validation.validate, "validate"))
     monkeypatch.setattr(facts, "of", count(facts.of, "facts"))
     return recorded, seen
 
@@ -383,7 +381,7 @@ def test_a_bound_call_takes_no_call_the_full_validation_rejects(counted, seed):
     objs = (v_a, s_a, v_b, s_b, out, out_lse, None, None, None, None, None)
     taken = any(executor.run(bc, objs, (None,)) is not None for bc in plans.recent.get(scalars, ()))
     try:
-        merge_checks.two(objs, "e", None, None)
+        validation.validate(spec.MERGE_STATE, objs, {"lse_base": "e"})
         valid = True
     except ValueError:
         valid = False

@@ -207,14 +207,16 @@ def test_on_a_gpu_torch_beside_cupy_is_a_type_error_naming_both(cupy_arg):
 def test_torch_beside_another_producer_is_a_signature_of_its_own():
     """The facts' producer part of a signature: a mixed call never finds the plan of an
     all-torch or all-numpy call (a torch subclass beside numpy included), so its validation runs."""
-    from zerokv.core import facts, merge_checks, spec
+    from zerokv.core import facts, spec, validation
 
     v_a, s_a, v_b, s_b = _states()
     rest = (None,) * 7
 
     def facts_of(*states):
         objs = (*states, *rest)
-        return facts.of(spec.MERGE_STATE, merge_checks.two(objs, "e", None, None), objs)
+        return facts.of(
+            spec.MERGE_STATE, validation.validate(spec.MERGE_STATE, objs, {"lse_base": "e"}), objs
+        )
 
     torch_only = facts_of(v_a, s_a, v_b, s_b)
     numpy_only = facts_of(v_a.numpy(), s_a.numpy(), v_b.numpy(), s_b.numpy())

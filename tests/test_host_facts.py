@@ -16,7 +16,6 @@ import torch
 
 from zerokv.core import facts as _facts
 from zerokv.core import layout as _layout
-from zerokv.core import merge_checks as _merge_checks
 from zerokv.core import spec as _spec
 from zerokv.core import validation as _validation
 
@@ -57,7 +56,7 @@ def test_the_facts_of_two_hold_each_tensor_and_its_alignment_is_layout_aligned(s
     va, vb, out, sa, sb, ol = v(), v(), v(), s(), s(), s()
     objs = (va, sa, vb, sb, out, ol, None, None, None, None, None)
     views = (va, sa.t(), vb, sb.t(), out, ol.t(), *objs[6:]) if ht else objs  # [H, T]: read as [T, H]
-    f = _facts.of(_spec.MERGE_STATE, _merge_checks.two(views, "e", None, None), objs)
+    f = _facts.of(_spec.MERGE_STATE, _validation.validate(_spec.MERGE_STATE, views, {"lse_base": "e"}), objs)
     assert f.objs is objs and f.device == -1 and f.torch
     for name, t in (("va", va), ("vb", vb), ("out", out)):
         assert (getattr(f, name), getattr(f, f"{name}_st"), getattr(f, f"{name}_sh")) == (
@@ -88,7 +87,9 @@ def test_the_facts_of_n_and_of_the_row_ops_alignment_is_layout_aligned(seed):
     v = torch.randn(off + N * T * H * (D + 8) + 8).to(dtype)
     v = v.as_strided((N, T, H, D), (T * H * (D + 8), H * (D + 8), D + 8, 1), off)
     s = torch.randn(N, T, H)
-    f = _facts.of(_spec.MERGE_STATES, _merge_checks.n((v, s), "e"), (v, s))
+    f = _facts.of(
+        _spec.MERGE_STATES, _validation.validate(_spec.MERGE_STATES, (v, s), {"lse_base": "e"}), (v, s)
+    )
     w = _layout.vec(v.element_size())
     st = v.stride()
     assert f.sig[-2] == _layout.aligned(v.data_ptr(), v.element_size(), w, st[0] | st[1] | st[2] | D)

@@ -14,10 +14,11 @@ from typing import Any
 
 from . import bound as B
 from . import dtypes as _dtypes
-from .generic_tensors import generic
+from . import forms as _forms
+from .generic_tensors import _Generic, generic
 from .layout import INT32, VECTOR_BYTES
 from .spec import Arg, OpSpec
-from .tensors import torch_dtype_names
+from .tensors import torch_dtype_names, torch_tensor_type
 
 
 class Table:
@@ -53,7 +54,7 @@ class Table:
         """The records of the spec's tensor arguments as ``objs`` (the signature's first call,
         fully validated) gives them; absent ones must stay absent. ``scalars``: the values of
         the scalar arguments a shape divides by (fixed by the signature)."""
-        absent, outputs = 0, []
+        absent, seen, outputs = 0, 0, []
         width = VECTOR_BYTES // plan.in_size
         for slot, arg in enumerate(spec.all_args()):
             x = objs[slot] if slot < len(objs) else None
@@ -62,10 +63,8 @@ class Table:
                 for p in arg.params:
                     self.regs.setdefault(p, B.R_ZERO)
                 continue
-            k = self.n_tensors
-            self.n_tensors += 1
+            k = self.tensor[arg.name] = self.allocated(arg)
             base = B.tensor_base(k)
-            self.tensor[arg.name] = k
             shape = ("1",) * len(x.shape) if arg.any_shape else arg.shape
             eqs, binds, divided = [], [], []
             for i, s in enumerate(shape):
@@ -107,23 +106,14 @@ class Table:
                 for y in ys:
                     x = self.arith(B.A_MUL, x, y)
                 self.add(B.OP_EQ, self.arith(B.A_MUL, r, k=scalars[scalar]), x)
-            if arg.params:  # (an op that launches nothing from its bound call names none)
-                self.regs[arg.params[0]] = base + B.T_PTR
-            for i, p in enumerate(arg.params[1:]):
-                self.regs[p] = base + B.T_STRIDE + i
             if arg.output:
                 outputs.append((k, arg, len(shape)))
-        for o in spec.options:  # an option not given: its kernel parameters are 0
-            if all(a.name not in self.tensor for a in o.args):
-                for p in o.params:
-                    self.regs.setdefault(p, B.R_ZERO)
-        self.add(B.OP_ABSENT, absent)
-        inputs = 0
-        for arg in spec.all_args():
-            if arg.name in self.tensor and not arg.output:
-                inputs |= 1 << self.tensor[arg.name]
-        seen = inputs
+            else:
+                seen |= 1 << k
         given = {o.name for o in spec.options if any(a.name in self.tensor for a in o.args)}
+        for p in (p for o in spec.options if o.name not in given for p in o.params):
+            self.regs.setdefault(p, B.R_ZERO)  # an option not given: its kernel parameters are 0
+        self.add(B.OP_ABSENT, absent)
         no_alias = {x for o in spec.options if o.name in given for x in o.no_alias}
         for k, arg, rank in outputs:
             exact = 0
@@ -141,14 +131,13 @@ class Table:
             self.regs[p] = self.sym.get(s, B.R_ZERO)
 
     def allocated(self, arg: Arg) -> int:
-        """A tensor block for output ``arg`` when the call leaves it None (the op allocates it),
-        its kernel parameters' registers named as the spec names them."""
+        """A tensor block for ``arg`` (given, or an output the call leaves None: the op allocates
+        it), its kernel parameters' registers named as the spec names them."""
         k = self.n_tensors
         self.n_tensors += 1
         base = B.tensor_base(k)
-        self.regs[arg.params[0]] = base + B.T_PTR
-        for i, p in enumerate(arg.params[1:]):
-            self.regs[p] = base + B.T_STRIDE + i
+        for i, p in enumerate(arg.params):  # the pointer, then the strides (cp_merge's: none)
+            self.regs[p] = base + B.T_STRIDE + i - 1 if i else base + B.T_PTR
         return k
 
     def positive(self, *names: str) -> None:
@@ -170,9 +159,6 @@ def family(plan: Any, objs: tuple) -> type | None:
     """The type a signature's tensors have on its later calls (torch's tensor type, or the
     generic record of another producer), set on ``plan``; None for torch beside another
     producer (no bound call: the full path takes those)."""
-    from .generic_tensors import _Generic, generic
-    from .tensors import torch_tensor_type
-
     if plan.torch:
         plan.tensor_type = torch_tensor_type()
     elif any(type(generic(x)) is not _Generic for x in objs if x is not None):
@@ -184,8 +170,6 @@ def family(plan: Any, objs: tuple) -> type | None:
 
 def entry_for(regs: dict, plan: Any, form: Any, launcher: Any, T: int, H: int, D: int) -> B.Entry:
     """The bound call's entry of ``form`` for the Ts of T's interval (``forms.t_breaks``)."""
-    from . import forms as _forms
-
     breaks = _forms.t_breaks(H, D, plan.vec, plan.in_size, plan.out_size, plan.dev)
     i = _forms.t_class(breaks, T)
     lo = breaks[i - 1] if i > 0 else 0

@@ -16,6 +16,7 @@ then values derived by the table's arithmetic and, at launch, the form's constan
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 RECORD = 16  # integers per record
@@ -135,7 +136,7 @@ def make_entry(launcher: Any, form: Any, t_lo: int, t_hi: int, regs: dict[str, i
     """The entry of ``form`` (a ``forms.Form``) for Ts in ``[t_lo, t_hi)``: each of its
     kernel's parameters from the register ``regs[name]``, else the form's field of that name,
     else the plan's constant ``consts[name]``."""
-    from .kernels import CTYPES
+    from .kernels import A_RUN_SPANS, CTYPES
 
     e = Entry()
     e.launcher, e.kernel = launcher, form.kernel
@@ -143,8 +144,6 @@ def make_entry(launcher: Any, form: Any, t_lo: int, t_hi: int, regs: dict[str, i
     e.context = getattr(launcher, "context", 0)
     e.block = form.kernel.block
     e.grid, e.per_token, e.run_tail, e.cap = form.grid, form.per_token, form.run_tail, form.cap
-    from .kernels import A_RUN_SPANS
-
     e.run_spans = A_RUN_SPANS
     e.t_lo, e.t_hi = t_lo, t_hi
     srcs, cvals, pack, bits, offset = [], [], [], [], 0
@@ -157,7 +156,9 @@ def make_entry(launcher: Any, form: Any, t_lo: int, t_hi: int, regs: dict[str, i
             v = getattr(form, name) if name in form._fields else consts[name]
             src = CONST_BASE + len(cvals)
             cvals.append(v)
-            bits.append(_bits(v, ctype))
+            bits.append(
+                struct.unpack("<I", struct.pack("<f", v))[0] if ctype == "f32" else int(v)
+            )  # f32: its IEEE bits
         srcs.append(src)
         pack.append((offset, size | (4 if ctype == "f32" else 0) << 8, src))
         offset += size
@@ -166,12 +167,3 @@ def make_entry(launcher: Any, form: Any, t_lo: int, t_hi: int, regs: dict[str, i
     e.srcs, e.consts, e.const_bits, e.pack = tuple(srcs), tuple(cvals), tuple(bits), tuple(pack)
     e.nbytes = offset + (-offset % 8)
     return e
-
-
-def _bits(v: Any, ctype: str) -> int:
-    """A constant's bits as the compiled executor writes them (f32 as its IEEE bits)."""
-    if ctype == "f32":
-        import struct
-
-        return struct.unpack("<I", struct.pack("<f", v))[0]
-    return int(v)

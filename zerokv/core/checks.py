@@ -33,19 +33,6 @@ def tensor(x: Any, arg: str, ndim: int, dtypes: tuple[str, ...]) -> Tensor:
     return t
 
 
-def shape(t: Tensor, arg: str, expected: tuple[int, ...], names: str) -> None:
-    if tuple(t.shape) != tuple(expected):
-        raise ValueError(f"{arg}: expected shape {tuple(expected)} ({names}), got {tuple(t.shape)}")
-
-
-def unit_last_stride(t: Tensor, arg: str) -> None:
-    """V tensors need contiguous head_dim; token and head strides are free."""
-    if t.shape[-1] > 1 and t.strides[-1] != 1 and 0 not in t.shape:  # zero-size: no element, a no-op
-        raise ValueError(
-            f"{arg}: the last (head_dim) dimension must have stride 1, got strides {tuple(t.strides)}"
-        )
-
-
 def same_device(named: list[tuple[str, Tensor]]) -> int:
     """All tensors on one device (or all on the host); returns it."""
     first_name, first = named[0]
@@ -83,31 +70,6 @@ def where(device: int) -> str:
 def contiguous_1d(t: Tensor, arg: str) -> None:
     if t.shape[0] > 1 and t.strides[0] != 1:
         raise ValueError(f"{arg}: must be contiguous, got stride {t.strides[0]}")
-
-
-def index_tensor(x: Any, arg: str, length: int | None, device: int) -> Tensor:
-    """A 1-D int32/int64 offsets or lengths tensor of the given length."""
-    t = tensor(x, arg, 1, _dtypes.INDEX_NAMES)
-    if length is not None and t.shape[0] != length:
-        raise ValueError(f"{arg}: expected {length} entries, got shape {tuple(t.shape)}")
-    contiguous_1d(t, arg)
-    if t.device != device:
-        raise ValueError(f"{arg} is on {where(t.device)} but the tensors are on {where(device)}")
-    return t
-
-
-def offsets(x: Any, arg: str, device: int) -> Tensor:
-    """Query offsets ``[B + 1]`` (at least one entry) for a batch of B requests."""
-    c = index_tensor(x, arg, None, device)
-    if c.shape[0] < 1:
-        raise ValueError(f"{arg}: expected B + 1 >= 1 entries, got 0")
-    return c
-
-
-def pair(x: Any, arg: str) -> tuple[Any, Any]:
-    if not isinstance(x, (tuple, list)) or len(x) != 2:
-        raise TypeError(f"{arg}: expected a pair (cu_seqlens_q, kv_lens), got {type(x).__name__}")
-    return x[0], x[1]
 
 
 _LOG2E = 1.4426950408889634
@@ -149,7 +111,9 @@ def overlap(a: Tensor, b: Tensor) -> str:
     if hi_a <= lo_b or hi_b <= lo_a:
         return "none"
     try:
-        shared = np.shares_memory(_placed(a, size_a), _placed(b, size_b), max_work=_OVERLAP_WORK)
+        shared = np.shares_memory(
+            np.asarray(_At(a, size_a)), np.asarray(_At(b, size_b)), max_work=_OVERLAP_WORK
+        )
     except _TooHard:
         shared = True
     return "partial" if shared else "none"
@@ -169,10 +133,6 @@ class _At:
             "typestr": f"|V{size}",
             "version": 3,
         }
-
-
-def _placed(t: Tensor, size: int) -> np.ndarray:
-    return np.asarray(_At(t, size))
 
 
 def check_outputs(
@@ -197,6 +157,7 @@ def check_outputs(
     arithmetic on pointers, shapes and strides (each tensor's byte range once, then pairs of
     ranges); only ranges that intersect go to the exact test. Nothing is read.
     """
+    names = names or {}
     o_spans = _spans(outs)
     i_spans = _spans(ins)
     for n, (k_out, o, lo, hi) in enumerate(o_spans):
@@ -206,7 +167,7 @@ def check_outputs(
             kind = overlap(o, t)
             if kind == "none" or (kind == "alias" and (k_out, k_in) in may_alias):
                 continue
-            a, b = _name(names, k_out), _name(names, k_in)
+            a, b = names.get(k_out, k_out), names.get(k_in, k_in)
             if kind == "alias":
                 raise ValueError(f"{a} is the same memory as the input {b}; this call cannot write in place")
             raise ValueError(
@@ -217,7 +178,7 @@ def check_outputs(
             if hi <= lo_t or hi_t <= lo or o.device != other.device:
                 continue
             if overlap(o, other) != "none":
-                a, b = _name(names, k_out), _name(names, k_other)
+                a, b = names.get(k_out, k_out), names.get(k_other, k_other)
                 raise ValueError(f"{a} and {b} share memory; two outputs must not overlap")
 
 
@@ -230,10 +191,6 @@ def _spans(tensors: Mapping[str, Tensor | None]) -> list[tuple[str, Tensor, int,
         lo, hi = extent(t.ptr, t.shape, t.strides, _ITEMSIZE.get(t.dtype) or itemsize(t.dtype))
         spans.append((k, t, lo, hi))
     return spans
-
-
-def _name(names: Mapping[str, str] | None, k: str) -> str:
-    return k if names is None else names.get(k, k)
 
 
 def _layout(t: Tensor) -> str:
@@ -288,14 +245,3 @@ def _no_shared_elements(t: Tensor, arg: str) -> None:
                 "addresses; an output needs an address per element"
             )
         span += (n - 1) * s
-
-
-def outputs(outs: list, ins: list) -> None:
-    """Every output writable, sharing no byte with another output or an input, except an exact
-    alias of the inputs it names. ``outs``: ``[(name, Tensor | None, may_alias_names)]``;
-    ``ins``: ``[(name, Tensor | None)]`` (names as the caller knows them, each once)."""
-    for n, t, _ in outs:
-        if t is not None:
-            writable(t, n)
-    may_alias = [(n, a) for n, _, aliases in outs for a in aliases]
-    check_outputs({n: t for n, t, _ in outs}, dict(ins), may_alias=may_alias)

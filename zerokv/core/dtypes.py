@@ -54,11 +54,6 @@ def itemsize(name: str) -> int:
     return TABLE[name].size
 
 
-def is_fp8(name: str) -> bool:
-    d = TABLE.get(name)
-    return d is not None and d.kind == "fp8"
-
-
 def dlpack_code(name: str) -> int:
     """The DLPack dtype of one lane as one integer: ``code | bits << 8 | lanes << 16``."""
     code, bits = TABLE[name].dlpack

@@ -32,14 +32,6 @@ OPTION_SCALARS = tuple(s.name for o in OPTIONS for s in o.scalars)  # in the spe
 K_VALUE, K_IS_NONE, K_NOT_NONE, K_OR_IS_NONE = 0, 1, 2, 3
 
 
-def default(s: _spec.Scalar) -> Any:
-    """An option scalar's value when a call leaves it out: its first value, None if required."""
-    return s.values[0] if s.values and not s.required else None
-
-
-OPTION_DEFAULTS = tuple(default(s) for o in OPTIONS for s in o.scalars)  # OPTION_SCALARS' defaults
-
-
 def _getter(at: tuple) -> Any:
     """``itemgetter`` that returns a tuple for any count of positions (a run of them: a slice)."""
     if at and at != tuple(range(at[0], at[0] + len(at))):  # two or more, not one run
@@ -70,7 +62,7 @@ class Layout:
         self.names = written + more_args
         self.written = len(written)  # those a call may give by keyword
         self.required = sum(p.default is p.empty for p in params)
-        more_defaults = tuple(v for o in self.more for v in (None, *(default(s) for s in o.scalars)))
+        more_defaults = tuple(v for o in self.more for v in (None, *(s.default for s in o.scalars)))
         self.defaults = tuple(None if p.default is p.empty else p.default for p in params) + more_defaults
         at = {n: i for i, n in enumerate(self.names)}
         self.objs = tuple((at[a.name], -1, 1) for a in spec.args) + tuple(
@@ -112,16 +104,9 @@ class Layout:
                     f"got {len(self.names) - self._more_n + len(more)}"
                 )
             more += self._more_defaults[len(more) :]
-        if self._several:
-            parts = ()
-            for i, k, o in self._several:
-                x = more[i]
-                parts += (
-                    (None,) * k if x is None else split(x, o, names.get(o.name, o.name) if names else o.name)
-                )
-            return objs + self._pads[len(objs)] + self._more_objs(more + parts), scalars + self._more_scalars(
-                more
-            )
+        for i, k, o in self._several:  # an option of several: its arguments after the options
+            x = more[i]
+            more += (None,) * k if x is None else split(x, o, names.get(o.name, o.name) if names else o.name)
         return objs + self._pads[len(objs)] + self._more_objs(more), scalars + self._more_scalars(more)
 
     def table(self) -> tuple:

@@ -36,18 +36,16 @@ def _record(spec: OpSpec) -> type:
     names += (p for o in spec.options for p in o.params)
     names += (p for p, _ in spec.sym_params)
     names += spec.derived
-    return type(f"{spec.name}_facts", (), {"__slots__": tuple(dict.fromkeys(names))})
-
-
-def _slot_names(spec: OpSpec) -> frozenset:
-    return frozenset(record(spec).__slots__)
+    names = tuple(dict.fromkeys(names))
+    return type(f"{spec.name}_facts", (), {"__slots__": names, "SLOTS": frozenset(names)})
 
 
 def of(spec: OpSpec, checked: Any, objs: tuple) -> Any:
     """The facts of a call of ``spec`` that the full validation accepted (``checked``, its
     :class:`~zerokv.core.validation.Checked`); ``objs``: the caller's objects, in
     ``spec.all_args()`` order (what its bound call is built from)."""
-    f, slots = record(spec)(), spec.once("_facts_slots", _slot_names)
+    f = record(spec)()
+    slots = f.SLOTS
     f.objs, f.device = objs, checked.device
     sig: list = []
     ok, width, any_torch, all_exact = True, 0, False, True

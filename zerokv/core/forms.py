@@ -200,7 +200,7 @@ def _rows(c: MergeCall, dev: Device, ctypes: tuple) -> Form:
     a, b, x, y = THRESHOLDS["rows_mid_l2"]
     mid = dev.l2 * a // b <= nbytes <= dev.l2 * x // y
     lanes, ppt = row_geometry(packs, mid, c.inplace_lse)
-    full = int(bool(c.features) or _dtypes.is_fp8(c.out_dtype))
+    full = int(bool(c.features) or c.out_dtype in _dtypes.FP8)
     narrow = not full and c.fits32 and c.T * c.H * lanes < INT32
     targs = (*ctypes, c.vec, ppt, full, "int" if narrow else "long long")
     k = _kernels.MERGE_STATE

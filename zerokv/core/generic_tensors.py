@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .tensors import is_torch, torch_tensor_type, view
+from .tensors import _NoTorch, is_torch, torch_tensor_type, view
 
 
 class _Generic:
@@ -40,10 +40,6 @@ def generic(x: Any) -> Any:
     return _Generic(x)
 
 
-class _Never:
-    """A type no object has."""
-
-
 def also_read(tt: type) -> type:
     """The type whose subclasses a bound call of tensor type ``tt`` reads as it reads ``tt``:
     for torch's, ``torch.nn.Parameter`` (a plain tensor's memory and attributes: a module's
@@ -51,7 +47,7 @@ def also_read(tt: type) -> type:
     object has. By type, not ``isinstance``: a tensor subclass merely marked as a parameter is
     not read so."""
     torch = sys.modules.get("torch")
-    return torch.nn.Parameter if torch is not None and tt is torch_tensor_type() else _Never
+    return torch.nn.Parameter if torch is not None and tt is torch_tensor_type() else _NoTorch
 
 
 def writable_cheap(x: Any) -> bool:

@@ -37,17 +37,6 @@ def extent(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize:
     return ptr + lo * itemsize, ptr + (hi + 1) * itemsize
 
 
-def end(ptr: int, n0: int, s0: int, n1: int, s1: int, inner: int, itemsize: int) -> int:
-    """The byte after the last element of a non-empty ``[n0, n1, inner]`` tensor of
-    non-negative strides ``(s0, s1, 1)`` (``inner = 1``: a 2-D tensor): ``extent``'s ``hi``."""
-    return ptr + ((n0 - 1) * s0 + (n1 - 1) * s1 + inner) * itemsize
-
-
-def apart(lo: int, hi: int, lo2: int, hi2: int) -> bool:
-    """Two byte ranges share no byte."""
-    return hi <= lo2 or hi2 <= lo
-
-
 def apart_all(lo: int, hi: int, spans: list[tuple[int, int]]) -> bool:
     """``[lo, hi)`` shares no byte with any of ``spans``."""
     for lo2, hi2 in spans:  # noqa: SIM110 - a loop: no generator per call

@@ -1,6 +1,6 @@
 """The two-way merge's one path: the bound call of the call's signature (:mod:`zerokv.core.bound`,
 derived from the spec: read, cheap check, form, pack by name, launch), found among the recent
-ones of the call's scalar arguments; else the full validation (:mod:`zerokv.core.merge_checks`),
+ones of the call's scalar arguments; else the full validation (:mod:`zerokv.core.validation`),
 which raises with the caller's argument names, then the plan of the call's signature (built
 on its first call) by its facts (:mod:`zerokv.core.facts`): its bound call, or, for a call that
 takes none (a negative stride, say), the launch from the facts. Host tensors take the CPU
@@ -22,10 +22,11 @@ from . import entry_args as _entry
 from . import facts as _facts
 from . import forms as _forms
 from . import kernels as _kernels
-from . import merge_checks as _merge_checks
 from . import outputs as _outputs
 from . import plans as _plans
 from . import spec as _spec
+from . import validation as _validation
+from .generic_tensors import generic
 from .layout import INT32, extent, vec
 
 _FORM_CACHE_LIMIT = 4096  # (H, D, layout) entries a plan remembers; past it, it starts again
@@ -133,7 +134,9 @@ def two(
     elif type(a_empty) is tuple and len(a_empty) == 2:
         cu, lens = a_empty
     else:
-        cu, lens = _checks.pair(a_empty, names.get("a_empty", "a_empty") if names else "a_empty")
+        cu, lens = _entry.split(
+            a_empty, _entry.OPTIONS[0], names.get("a_empty", "a_empty") if names else "a_empty"
+        )
     objs = (v_a, s_a, v_b, s_b, out, out_lse, cu, lens, row_mask, out_scale, sinks)
     if out_block_scale is not None:
         objs += (out_block_scale,)
@@ -148,11 +151,11 @@ def two(
     try:  # the bound calls of the signatures met last with these scalars
         r, calls = _plans.recent_call(scalars, objs, (prefix_rows,))
     except TypeError:  # an unhashable lse_base (an array): the full checks name it
-        _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, _opts(scalars))
+        _check(objs, lse_ht, names, lse_base, prefix_rows, scalars)
         raise
     if r is not None:
         return r
-    v = _merge_checks.two(_th_views(objs, lse_ht, names), lse_base, prefix_rows, names, _opts(scalars))
+    v = _check(objs, lse_ht, names, lse_base, prefix_rows, scalars)
     f = _facts.of(_spec.MERGE_STATE, v, objs)
     if f.device < 0:
         return _cpu.merge_two(v, objs[4], objs[5], scalars[3], prefix_rows, scalars[2])
@@ -176,6 +179,14 @@ LAYOUT = _entry.Layout(
 _MORE_KEY = LAYOUT.more_key
 _opts = LAYOUT.option_scalars  # a call's option scalars (the full checks'), from its key
 python_two = two  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
+
+
+def _check(objs: tuple, lse_ht: Any, names: dict | None, base: Any, prefix_rows: Any, scalars: tuple) -> Any:
+    """The full validation of a call (its options' scalars from its key)."""
+    given = dict(
+        zip(_entry.OPTION_SCALARS, _opts(scalars), strict=True), lse_base=base, prefix_rows=prefix_rows
+    )
+    return _validation.validate(_spec.MERGE_STATE, _th_views(objs, lse_ht, names), given, names)
 
 
 def _th_views(objs: tuple, lse_ht: Any, names: dict | None) -> tuple:
@@ -313,6 +324,6 @@ def _allocator(plan: Plan, lse: bool):
 
     def alloc(shape: tuple, like: Any) -> tuple:
         x = _outputs.new(like, False, plan.device, shape, dtype_name)
-        return x, _outputs.ptr(x)
+        return x, generic(x).data_ptr()
 
     return alloc

@@ -11,9 +11,9 @@ from . import cpu_path as _cpu
 from . import facts as _facts
 from . import forms as _forms
 from . import kernels as _kernels
-from . import merge_checks as _merge_checks
 from . import plans as _plans
 from . import spec as _spec
+from . import validation as _validation
 from .layout import INT32
 from .merge_plans import Plan, exact
 
@@ -25,11 +25,11 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
     try:  # the bound calls of the signatures met last with these scalars
         r, calls = _plans.recent_call(key, objs, ())
     except TypeError:  # an unhashable lse_base (an array): the full checks name it
-        _merge_checks.n(objs, scalars[0], _quant(scalars))
+        _check(objs, scalars)
         raise
     if r is not None:
         return r
-    v = _merge_checks.n(objs, scalars[0], _quant(scalars))
+    v = _check(objs, scalars)
     f = _facts.of(_spec.MERGE_STATES, v, objs)
     if f.device < 0:
         return _cpu.merge_states(v, objs[2], objs[3], scalars[1])
@@ -41,9 +41,10 @@ def n(objs: tuple, scalars: tuple) -> tuple[Any, Any]:
 python_n = n  # the Python entry (the compiled executor's entry calls it for the calls it leaves)
 
 
-def _quant(scalars: tuple) -> tuple:
-    """(quant_group, scale_format) of the call; callers without them: no per-group fp8."""
-    return scalars[2] if len(scalars) > 2 else (None, "float32")
+def _check(objs: tuple, scalars: tuple) -> Any:
+    """The full validation of a call; callers without (quant_group, scale_format): no per-group fp8."""
+    quant = dict(zip(("quant_group", "scale_format"), scalars[2], strict=True)) if len(scalars) > 2 else {}
+    return _validation.validate(_spec.MERGE_STATES, objs, {"lse_base": scalars[0], **quant})
 
 
 class NPlan(Plan):

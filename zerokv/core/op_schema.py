@@ -18,13 +18,9 @@ from typing import Any
 from . import entry_args as _entry
 
 
-def _taken(spec: Any, out: bool) -> list:
-    """The options of ``spec`` its schemas take (an fp8 output's only where it takes ``out``)."""
-    return [o for o in spec.options if not o.adapter and (out or not o.fp8_scale)]
-
-
-def _schema_args(options: list) -> tuple[str, tuple, dict, tuple]:
-    """The schema text of ``options`` (each part after a ``", "``), the defaults of its
+def _schema_args(spec: Any, out: bool) -> tuple[str, tuple, dict, tuple]:
+    """The schema text of the options of ``spec`` its schemas take (not an adapter's; an fp8
+    output's only where it takes ``out``), each part after a ``", "``; the defaults of its
     arguments, each one-argument option's and scalar's place among them, and the options of
     several arguments as ``(first, last + 1, option)``."""
     parts: list[str] = []
@@ -32,7 +28,7 @@ def _schema_args(options: list) -> tuple[str, tuple, dict, tuple]:
     pos: dict[str, int] = {}
     several = []
     letters = iter("cdefghijklmnopqrstuvwxyz")  # out and out_lse are a and b
-    for o in options:
+    for o in (o for o in spec.options if not o.adapter and (out or not o.fp8_scale)):
         names = o.schema_names or tuple(a.name for a in o.args)
         if len(o.args) > 1:
             several.append((len(defaults), len(defaults) + len(o.args), o))
@@ -42,7 +38,7 @@ def _schema_args(options: list) -> tuple[str, tuple, dict, tuple]:
             parts.append(f"Tensor({next(letters)}!)? {name}=None" if a.output else f"Tensor? {name}=None")
             defaults.append(None)
         for s in o.scalars:
-            d = _entry.default(s)
+            d = s.default
             kind = "str" if s.values and all(isinstance(v, str) for v in s.values) else "int"
             parts.append(f"{kind}? {s.name}=None" if d is None else f"{kind} {s.name}={d!r}")
             pos[s.name] = len(defaults)
@@ -55,7 +51,7 @@ class Keywords:
     ``schema``, and the public function's keywords from the schema's option arguments."""
 
     def __init__(self, spec: Any, out: bool) -> None:
-        self.schema, self.defaults, pos, several = _schema_args(_taken(spec, out))
+        self.schema, self.defaults, pos, several = _schema_args(spec, out)
         if several:
             raise ValueError(f"{spec.name}: an option of several arguments needs an entry's layout (Options)")
         self.names = tuple(sorted(pos, key=pos.get))
@@ -71,7 +67,7 @@ class Options:
     schema's calls give the entry's other arguments after ``prefix_rows`` (by name)."""
 
     def __init__(self, layout: Any, out: bool, fixed: dict) -> None:
-        self.schema, self.defaults, pos, self.several = _schema_args(_taken(layout.spec, out))
+        self.schema, self.defaults, pos, self.several = _schema_args(layout.spec, out)
         # gathered: the schema's arguments, each option of several joined, then the entry's
         # arguments after prefix_rows as the schema's calls give them (fixed, else defaults)
         n = len(self.defaults)

@@ -25,13 +25,6 @@ def new(like: Any, is_torch: bool, device: int, shape: tuple[int, ...], dtype: s
         return cupy.empty(shape, dtype=_numpy_dtype(dtype))
 
 
-def ptr(x: Any) -> int:
-    """The device pointer of an output of another producer (a torch tensor's: ``data_ptr``)."""
-    from .generic_tensors import generic
-
-    return generic(x).data_ptr()
-
-
 def _numpy_dtype(name: str) -> Any:
     if _dtypes.TABLE[name].numpy == "ml_dtypes":  # no numpy type of its own
         import ml_dtypes

@@ -61,6 +61,11 @@ class Scalar:
     upto: str = ""
     required: bool = False
 
+    @property
+    def default(self) -> Any:
+        """Its value when a call leaves it out: its first value, None if required."""
+        return self.values[0] if self.values and not self.required else None
+
 
 @dataclass(frozen=True)
 class Option:
@@ -92,9 +97,6 @@ class OpSpec:
 
     def all_args(self) -> tuple[Arg, ...]:
         return self.args + tuple(a for o in self.options for a in o.args)
-
-    def all_scalars(self) -> tuple[Scalar, ...]:
-        return self.scalars + tuple(s for o in self.options for s in o.scalars)
 
     def once(self, what: str, build: Callable[[OpSpec], Any]) -> Any:
         """``build(self)``, made on the first request and kept on this spec under ``what`` (a

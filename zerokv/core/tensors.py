@@ -38,8 +38,10 @@ class Tensor(NamedTuple):
 _TORCH_DTYPES: dict[Any, str] = {}
 
 
-def _torch_dtypes(torch: Any) -> dict[Any, str]:
-    if not _TORCH_DTYPES:
+def torch_dtype_names() -> dict[Any, str]:
+    """torch dtype -> canonical name (``{}`` before torch is imported)."""
+    torch = sys.modules.get("torch")
+    if not _TORCH_DTYPES and torch is not None:
         for name in (*_dtypes.TABLE, "float64"):  # float64: named in messages, taken by the CPU path
             if hasattr(torch, name):
                 _TORCH_DTYPES[getattr(torch, name)] = name
@@ -51,46 +53,31 @@ _new = tuple.__new__  # skips NamedTuple's Python-level __new__ on the hot path
 
 def torch_view(t: Any) -> Tensor:
     """The torch fast path: the facts DLPack would export, read directly."""
-    dtypes = _TORCH_DTYPES or _torch_dtypes(sys.modules["torch"])
+    dtypes = _TORCH_DTYPES or torch_dtype_names()
     dtype = dtypes.get(t.dtype)
     if dtype is None:
         dtype = str(t.dtype).removeprefix("torch.")
     return _new(Tensor, (t, t.data_ptr(), t.shape, t.stride(), dtype, t.get_device(), True))
 
 
-def _torch_kind_error(t: Any, arg: str) -> TypeError | None:
-    """A TypeError naming ``arg`` for torch tensors that hold no strided data: meta, sparse and
-    nested tensors (whose ``data_ptr`` / ``stride`` / ``numpy`` fail with messages naming no
-    argument); None for every ordinary tensor."""
+def _torch_kind_check(t: Any, arg: str) -> None:
+    """Raise a TypeError naming ``arg`` for torch tensors that hold no strided data: meta, sparse
+    and nested tensors (whose ``data_ptr`` / ``stride`` / ``numpy`` fail with messages naming no
+    argument)."""
     if t.is_meta:
-        return TypeError(f"{arg}: a meta tensor has no data to compute on; pass a tensor on the CPU or a GPU")
+        raise TypeError(f"{arg}: a meta tensor has no data to compute on; pass a tensor on the CPU or a GPU")
     if getattr(t, "is_nested", False):
-        return TypeError(f"{arg}: a nested tensor is not supported; pass a dense, strided tensor")
+        raise TypeError(f"{arg}: a nested tensor is not supported; pass a dense, strided tensor")
     layout = t.layout
     if layout is not sys.modules["torch"].strided:
-        return TypeError(
+        raise TypeError(
             f"{arg}: a sparse tensor ({str(layout).removeprefix('torch.')}) is not supported; "
             "pass a dense, strided tensor (x.to_dense())"
         )
-    return None
 
 
 class _NoTorch:
     """Stands for torch.Tensor before torch is imported: no object has this type."""
-
-
-_torch_tensor_type: list[type] = []  # torch.Tensor, once torch has been seen
-
-
-def torch_tensor_type() -> type:
-    """``torch.Tensor`` once torch is imported (a type no object has before)."""
-    if _torch_tensor_type:
-        return _torch_tensor_type[0]
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return _NoTorch
-    _torch_tensor_type.append(torch.Tensor)
-    return torch.Tensor
 
 
 TORCH_FLOAT32: list = []  # [torch.Tensor, torch.float32] once torch is imported
@@ -106,12 +93,9 @@ def torch_float32() -> list:
     return TORCH_FLOAT32
 
 
-def torch_dtype_names() -> dict[Any, str]:
-    """torch dtype -> canonical name (``{}`` before torch is imported)."""
-    if _TORCH_DTYPES:
-        return _TORCH_DTYPES
-    torch = sys.modules.get("torch")
-    return _torch_dtypes(torch) if torch is not None else {}
+def torch_tensor_type() -> type:
+    """``torch.Tensor`` once torch is imported (a type no object has before)."""
+    return (TORCH_FLOAT32 or torch_float32() or (_NoTorch,))[0]
 
 
 # --- DLPack (legacy, unversioned capsule "dltensor") -------------------------------------------
@@ -138,17 +122,7 @@ class _DLTensor(ctypes.Structure):
 
 
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
-# (type code, bits) -> canonical name; codes: 0 int, 1 uint, 2 float, 4 bfloat, 6 bool
-_DL_DTYPES = {
-    (0, 32): "int32",
-    (0, 64): "int64",
-    (1, 8): "uint8",
-    (2, 16): "float16",
-    (2, 32): "float32",
-    (2, 64): "float64",
-    (4, 16): "bfloat16",
-    (6, 8): "bool",
-}
+_DL_DTYPES = {d.dlpack: n for n, d in _dtypes.TABLE.items() if d.kind != "fp8"} | {(2, 64): "float64"}
 _get_pointer = ctypes.pythonapi.PyCapsule_GetPointer
 _get_pointer.restype = ctypes.c_void_p
 _get_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
@@ -192,9 +166,7 @@ def is_torch(x: Any) -> bool:
 def view(x: Any, arg: str) -> Tensor:
     """Any tensor-like to a :class:`Tensor`; ``TypeError`` naming ``arg`` otherwise."""
     if type(x) is torch_tensor_type() or is_torch(x):
-        error = _torch_kind_error(x, arg)
-        if error is not None:
-            raise error
+        _torch_kind_check(x, arg)
         return torch_view(x)
     if isinstance(x, np.ndarray):
         return _numpy_view(x)
@@ -206,7 +178,7 @@ def view(x: Any, arg: str) -> Tensor:
     )
 
 
-_NUMPY_NAMES = {"float16", "float32", "float64", "int32", "int64", "bool", "uint8", "bfloat16"}
+_NUMPY_NAMES = set(_DL_DTYPES.values())
 
 
 def _numpy_view(a: np.ndarray) -> Tensor:

@@ -38,24 +38,14 @@ class Checked:
         self.options: frozenset[str] = frozenset()
 
 
-def shown_names(spec: OpSpec, shown: dict[str, str] | None) -> dict[str, str]:
-    """The caller's name of each argument and scalar: ``shown``'s, else the spec's; an argument
-    of an option of several as ``shown["<option>[i]"]``, else ``<option>[i] (<argument>)``."""
-    if not shown:  # the spec's own names: made once (read, never changed, by validate)
-        return spec.once("_own_names", lambda sp: _names(sp, {}))
-    return _names(spec, shown)
-
-
 def _names(spec: OpSpec, shown: dict[str, str]) -> dict[str, str]:
-    name = {s.name: shown.get(s.name, s.name) for s in spec.all_scalars()}
-    name.update((a.name, shown.get(a.name, a.name)) for a in spec.args)
+    """The caller's name of each argument, scalar and option: ``shown``'s, else the spec's; an
+    argument of an option of several as ``shown["<option>[i]"]``, else ``<option>[i] (<argument>)``."""
+    rows = (*spec.scalars, *spec.all_args(), *spec.options, *(s for o in spec.options for s in o.scalars))
+    name = {x.name: shown.get(x.name, x.name) for x in rows}
     for o in spec.options:
-        name[o.name] = shown.get(o.name, o.name)
-        for i, a in enumerate(o.args):
-            if len(o.args) > 1:
-                name[a.name] = shown.get(f"{o.name}[{i}]") or f"{name[o.name]}[{i}] ({a.name})"
-            else:
-                name[a.name] = shown.get(a.name, a.name)
+        for i, a in enumerate(o.args if len(o.args) > 1 else ()):
+            name[a.name] = shown.get(f"{o.name}[{i}]") or f"{name[o.name]}[{i}] ({a.name})"
     return name
 
 
@@ -69,7 +59,8 @@ def validate(
     memory the op reads beside its arguments (on their device; no output may touch it)."""
     args = spec.all_args()
     objs = objs + (None,) * (len(args) - len(objs))
-    name = shown_names(spec, shown)
+    # the spec's own names: made once (read, never changed, here)
+    name = _names(spec, shown) if shown else spec.once("_own_names", lambda sp: _names(sp, {}))
     views = {a.name: view(x, name[a.name]) for a, x in zip(args, objs, strict=True) if x is not None}
     _checks.one_library_on_gpu([(name[a.name], views.get(a.name)) for a in args])
     c = Checked()
@@ -120,14 +111,19 @@ def _tensor(a: Arg, t: Tensor, name: dict[str, str], c: Checked) -> Tensor:
     t = _checks.tensor(t, nm, len(a.shape), a.dtypes)
     want = tuple(n if w is None else w for w, n in zip((_size(s, c) for s in a.shape), t.shape, strict=True))
     if tuple(t.shape) != want:  # the message's symbols spelled out only for it
-        _checks.shape(t, nm, want, ", ".join(s.replace("*", " * ").replace("/", " / ") for s in a.shape))
+        names = ", ".join(s.replace("*", " * ").replace("/", " / ") for s in a.shape)
+        raise ValueError(f"{nm}: expected shape {want} ({names}), got {tuple(t.shape)}")
     for s, n in zip(a.shape, t.shape, strict=True):  # the symbols it binds
         if s.isidentifier():
             sym.setdefault(s, n)
     if a.unit_inner and len(a.shape) == 1:
         _checks.contiguous_1d(t, nm)
-    elif a.unit_inner:
-        _checks.unit_last_stride(t, nm)
+    elif (
+        a.unit_inner and t.shape[-1] > 1 and t.strides[-1] != 1 and 0 not in t.shape
+    ):  # zero-size: no element
+        raise ValueError(
+            f"{nm}: the last (head_dim) dimension must have stride 1, got strides {tuple(t.strides)}"
+        )
     other = c.tensors.get(a.same_dtype) if a.same_dtype else None
     if other is not None and t.dtype != other.dtype:
         raise TypeError(f"{nm}: dtype {t.dtype} differs from {name[a.same_dtype]} dtype {other.dtype}")
@@ -151,10 +147,17 @@ def _offsets(a: Arg, t: Tensor, name: dict[str, str], c: Checked) -> None:
     (s,) = a.shape
     nm, sym, n = name[a.name], c.sym, s.removesuffix("+1")
     extra = int(n != s)  # offsets: one more entry than requests
-    if n in sym:
-        r = _checks.index_tensor(t, nm, sym[n] + extra, c.device)
-    else:  # binds the symbol (offsets: at least one entry)
-        r = _checks.offsets(t, nm, c.device) if extra else _checks.index_tensor(t, nm, None, c.device)
+    r = _checks.tensor(t, nm, 1, _dtypes.INDEX_NAMES)
+    if n in sym and r.shape[0] != sym[n] + extra:
+        raise ValueError(f"{nm}: expected {sym[n] + extra} entries, got shape {tuple(r.shape)}")
+    _checks.contiguous_1d(r, nm)
+    if r.device != c.device:
+        raise ValueError(
+            f"{nm} is on {_checks.where(r.device)} but the tensors are on {_checks.where(c.device)}"
+        )
+    if n not in sym:  # binds the symbol (offsets: at least one entry)
+        if extra and r.shape[0] < 1:
+            raise ValueError(f"{nm}: expected B + 1 >= 1 entries, got 0")
         sym[n] = r.shape[0] - extra
     other = c.tensors.get(a.same_dtype) if a.same_dtype else None
     if other is not None and r.dtype != other.dtype:
@@ -186,7 +189,7 @@ def _scalars(spec: OpSpec, values: dict[str, Any], given: frozenset, name: dict,
     out = {}
     for o in spec.options:
         for s in o.scalars:
-            v = values.get(s.name)
+            v = values.get(s.name, s.default)  # left out: its default
             if s.required and o.name not in given and v is not None:
                 raise ValueError(f"{name[s.name]}: only meaningful with {name[o.name]}, got {v!r} without it")
             if s.required and o.name in given and v is None:
@@ -256,12 +259,12 @@ def _outputs(spec: OpSpec, given: frozenset, name: dict[str, str], c: Checked, a
     """Outputs writable and apart from every other tensor, except the exact aliases the spec
     allows (none for an output an option given takes them from)."""
     no_alias = {x: o for o in spec.options if o.name in given for x in o.no_alias}
-    outs, ins = [], list(also)
+    outs, ins, may_alias = {}, dict(also), []
     for a in spec.all_args():
         t = c.tensors.get(a.name)
         if not a.output:
             if t is not None:
-                ins.append((name[a.name], t))
+                ins[name[a.name]] = t
             continue
         alias = a.alias
         if a.name in no_alias and t is not None:
@@ -269,5 +272,9 @@ def _outputs(spec: OpSpec, given: frozenset, name: dict[str, str], c: Checked, a
                 shown = " or ".join(name[x] for x in a.alias)
                 raise ValueError(f"{name[a.name]}: may not alias {shown} with {name[no_alias[a.name].name]}")
             alias = ()
-        outs.append((name[a.name], t, tuple(name[x] for x in alias)))
-    _checks.outputs(outs, ins)
+        outs[name[a.name]] = t
+        may_alias += ((name[a.name], name[x]) for x in alias)
+    for n, t in outs.items():
+        if t is not None:
+            _checks.writable(t, n)
+    _checks.check_outputs(outs, ins, may_alias=may_alias)
