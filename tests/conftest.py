@@ -194,11 +194,8 @@ class _Recorder:
         self.kernel, self.targs, self.log = kernel, targs, log
 
     def launch_values(self, grid, grid_y, stream, values):
+        """What the launch would launch: the values packed as a launch packs them, read back."""
         self.kernel.packer.pack_into(_launch._arena.buf, 0, *values)
-        self.fire(grid, grid_y, stream)
-
-    def fire(self, grid, grid_y, stream):
-        """What a launch of the arguments packed in this thread's buffer would launch."""
         values = self.kernel.packer.unpack_from(_launch._arena.buf)
         args = dict(zip((n for n, _ in self.kernel.params), values, strict=True))
         self.log.append((self.kernel.name, self.targs, grid if grid_y == 1 else (grid, grid_y), args))

@@ -38,7 +38,7 @@ class Arg:
     optional: bool = False  # may be None (an option's arguments always may)
 
     def __post_init__(self) -> None:
-        # offsets and lengths are contiguous by their dtype class (checks.index_tensor): the
+        # offsets and lengths are contiguous by their dtype class (validation._offsets): the
         # bound call reads the rule here, so no row of index dtypes can leave it out
         if self.dtypes == _dtypes.INDEX_NAMES:
             object.__setattr__(self, "unit_inner", True)
