@@ -74,7 +74,7 @@ class Entry:
 
     __slots__ = (
         "launcher", "kernel", "handle", "context", "block", "grid", "per_token", "run_tail",
-        "run_spans", "srcs", "consts", "nbytes", "t_lo", "t_hi", "pack", "const_bits", "cap",
+        "run_spans", "srcs", "consts", "nbytes", "t_lo", "t_hi", "pack", "const_bits", "cap", "form",
     )  # fmt: skip
 
 
@@ -119,19 +119,6 @@ class BoundCall:
         return e
 
 
-def grid(e: Entry, T: int) -> tuple[int, int]:
-    """The grid ``(x, y)`` of entry ``e``'s launch for ``T``."""
-    pt = e.per_token
-    if not pt:
-        return e.grid, T
-    g = -(-T * pt // e.block)
-    if e.cap:
-        g = min(g, e.cap)
-    elif e.run_tail:
-        g -= max(0, (g - e.run_tail) // e.run_spans) * (e.run_spans - 1)
-    return g, 1
-
-
 def make_entry(launcher: Any, form: Any, t_lo: int, t_hi: int, regs: dict[str, int], consts: dict) -> Entry:
     """The entry of ``form`` (a ``forms.Form``) for Ts in ``[t_lo, t_hi)``: each of its
     kernel's parameters from the register ``regs[name]``, else the form's field of that name,
@@ -139,7 +126,7 @@ def make_entry(launcher: Any, form: Any, t_lo: int, t_hi: int, regs: dict[str, i
     from .kernels import A_RUN_SPANS, CTYPES
 
     e = Entry()
-    e.launcher, e.kernel = launcher, form.kernel
+    e.launcher, e.kernel, e.form = launcher, form.kernel, form  # its grid: forms.launch_grid
     e.handle = getattr(launcher, "handle", 0)
     e.context = getattr(launcher, "context", 0)
     e.block = form.kernel.block

@@ -27,6 +27,7 @@ from typing import Any
 
 from . import bound as B
 from . import pyexec_steps as S
+from .forms import launch_grid
 from .generic_tensors import _Generic
 from .pyexec_reads import Read, others, pair, reader
 
@@ -267,7 +268,7 @@ def _call(
             launches.clear()
             entries.clear()
             entries.update((rest, [hit]) for rest, hit in seed.items())
-        hit = launches[key] = (e.launcher.launch_values, *B.grid(e, T), get, consts)
+        hit = launches[key] = (e.launcher.launch_values, *launch_grid(e.form, T), get, consts)
         return hit
 
     def call(objs: tuple, scalars: tuple) -> Any:
