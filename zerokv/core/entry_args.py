@@ -117,25 +117,6 @@ class Layout:
         checks every count and index."""
         return self.names, self.required, self.written, self.defaults, self.objs, self.key, self.scalars
 
-    def read(self, args: tuple, kwargs: dict) -> tuple[tuple, tuple, tuple]:
-        """``(objects, key, scalars)`` of a call by the table, as the compiled entry reads it
-        (for tests: an oracle of both entries)."""
-        a = list(args) + [None] * (len(self.names) - len(args))
-        given = [i < len(args) for i in range(len(self.names))]
-        for k, v in kwargs.items():
-            i = self.names.index(k, 0, self.written)
-            a[i], given[i] = v, True
-        a = [x if g else d for x, g, d in zip(a, given, self.defaults, strict=True)]
-        objs = tuple(a[i] if p < 0 or a[i] is None else a[i][p] for i, p, _ in self.objs)
-        make = {
-            K_VALUE: lambda x, y: x,
-            K_IS_NONE: lambda x, y: x is None,
-            K_NOT_NONE: lambda x, y: x is not None,
-            K_OR_IS_NONE: lambda x, y: (y is None) if x is None else x,
-        }
-        key = tuple(make[k](a[i], a[j]) for k, i, j in self.key)
-        return objs, key, tuple(a[i] for i in self.scalars)
-
 
 def split(x: Any, o: _spec.Option, arg: str) -> tuple:
     """The arguments of option ``o`` of several, given as ``x`` (a tuple or list of them)."""
