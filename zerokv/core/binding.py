@@ -14,7 +14,6 @@ from typing import Any
 
 from . import bound as B
 from . import dtypes as _dtypes
-from . import forms as _forms
 from .generic_tensors import _Generic, generic
 from .layout import INT32, VECTOR_BYTES
 from .spec import Arg, OpSpec
@@ -168,11 +167,8 @@ def family(plan: Any, objs: tuple) -> type | None:
     return plan.tensor_type
 
 
-def entry_for(regs: dict, plan: Any, form: Any, launcher: Any, T: int, H: int, D: int) -> B.Entry:
-    """The bound call's entry of ``form`` for the Ts of T's interval (``forms.t_breaks``)."""
-    breaks = _forms.t_breaks(H, D, plan.vec, plan.in_size, plan.out_size, plan.dev)
-    i = _forms.t_class(breaks, T)
-    lo = breaks[i - 1] if i > 0 else 0
-    hi = breaks[i] if i < len(breaks) else INT32
+def entry_for(regs: dict, plan: Any, form: Any, launcher: Any, lo: int, hi: int) -> B.Entry:
+    """The bound call's entry of ``form`` for the Ts of its interval ``[lo, hi)`` (the plan's
+    ``form_entry``)."""
     consts = {n: getattr(plan.consts, n) for n in plan.consts.__slots__ if hasattr(plan.consts, n)}
     return B.make_entry(launcher, form, lo, hi, regs, consts)

@@ -89,9 +89,9 @@ class Plan:
         return out, out_lse
 
     def form_entry(self, key: tuple, H: int, D: int) -> tuple:
-        """The entry ``(form, launcher)`` of ``key`` (T, then the other facts that choose the
-        form); one form per interval of ``forms.t_breaks``, so a new T
-        costs a bisection; ``self._form(key)`` on an interval's first call."""
+        """The entry ``(form, launcher, lo, hi)`` of ``key`` (T, then the other facts that choose
+        the form): one form per interval ``[lo, hi)`` of ``forms.t_breaks``, so a new T costs a
+        bisection; ``self._form(key)`` on an interval's first call."""
         T, sub = key[0], key[1:]
         slot = self.intervals.get(sub)
         if slot is None:
@@ -104,7 +104,8 @@ class Plan:
         entry = by_class.get(i)
         if entry is None:
             form = self._form(key)
-            entry = by_class[i] = (form, _plans.launcher(form.kernel, form.targs, self.device))
+            lo, hi = breaks[i - 1] if i > 0 else 0, breaks[i] if i < len(breaks) else INT32
+            entry = by_class[i] = (form, _plans.launcher(form.kernel, form.targs, self.device), lo, hi)
         return entry
 
     def fire(self, f: Any, form: Any, launcher: Any, T: int) -> None:
@@ -236,7 +237,7 @@ class TwoPlan(Plan):
         key = (T, H, D, inplace, widest < INT32, s32, tiles)
         if self.a_empty:  # its batch past the window or not (the bound call's key too)
             key += (f.a_batch > _kernels.A_WINDOW,)
-        self.fire(f, *self.form_entry(key, H, D), T)
+        self.fire(f, *self.form_entry(key, H, D)[:2], T)
         return out, out_lse
 
     def _form(self, key: tuple) -> tuple:
@@ -302,8 +303,7 @@ def _bind_two(plan: TwoPlan, objs: tuple, lse_ht: bool, prefix_none: bool) -> _b
 
     def resolve(T_: int, rest: tuple) -> _bound.Entry:
         key_ = (T_, *(int(x) if i < 2 else bool(x) for i, x in enumerate(rest)))
-        form, launcher = plan.form_entry(key_, rest[0], rest[1])
-        return _binding.entry_for(regs, plan, form, launcher, T_, rest[0], rest[1])
+        return _binding.entry_for(regs, plan, *plan.form_entry(key_, rest[0], rest[1]))
 
     return t.bound("merge_state", plan, 12, resolve, (4, 5), plan.allocators, regs.values())
 

@@ -72,7 +72,7 @@ class NPlan(Plan):
             return out, out_lse
         tiles = f.ol_st == 1 and f.ol_sh != 1 if f.olse else f.s_st == 1 and f.s_sh != 1
         key = (T, N, H, D, widest < INT32, s32, tiles)
-        form, launcher = self.form_entry(key, H, D)
+        form, launcher, _, _ = self.form_entry(key, H, D)
         self.fire(f if form.kernel is _kernels.MERGE_STATES else _as_two(self.in_size, f), form, launcher, T)
         return out, out_lse
 
@@ -145,8 +145,8 @@ def _bind_n(plan: NPlan, objs: tuple) -> _bound.BoundCall | None:
     def resolve(T_: int, rest: tuple) -> _bound.Entry:
         N_, H_, D_ = rest[:3]
         key_ = (T_, N_, H_, D_, *(bool(x) for x in rest[3:]))
-        form, launcher = plan.form_entry(key_, H_, D_)
+        form, launcher, lo, hi = plan.form_entry(key_, H_, D_)
         names = regs if form.kernel is _kernels.MERGE_STATES else two
-        return _binding.entry_for(names, plan, form, launcher, T_, H_, D_)
+        return _binding.entry_for(names, plan, form, launcher, lo, hi)
 
     return t.bound("merge_states", plan, 7, resolve, (2, 3), plan.allocators, (*regs.values(), *two.values()))
