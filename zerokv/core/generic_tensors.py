@@ -46,8 +46,18 @@ def also_read(tt: type) -> type:
     weights, an attention sink, an engine's own parameter classes); for any other, a type no
     object has. By type, not ``isinstance``: a tensor subclass merely marked as a parameter is
     not read so."""
+    p = _PARAMETER or _parameter()  # cp_merge asks on every call: found once
+    return p[1] if p and tt is p[0] else _NoTorch
+
+
+_PARAMETER: list = []  # [torch.Tensor, torch.nn.Parameter] once torch is imported
+
+
+def _parameter() -> list:
     torch = sys.modules.get("torch")
-    return torch.nn.Parameter if torch is not None and tt is torch_tensor_type() else _NoTorch
+    if torch is not None:
+        _PARAMETER[:] = [torch.Tensor, torch.nn.Parameter]
+    return _PARAMETER
 
 
 def writable_cheap(x: Any) -> bool:
